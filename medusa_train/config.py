@@ -1,0 +1,387 @@
+"""Typed recipe config: dataclasses that the YAML mirrors one to one.
+
+`load_config(recipe, overrides)` reads a YAML recipe, applies dotted `key=value` overrides, checks every
+key, type and range, and returns a frozen-by-convention `Config`. Every problem raises `ConfigError`
+with one line that names the key and the fix; `train.py` turns it into exit code 2 before any model is
+loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid. The message is one line that names the key."""
+
+
+@dataclass
+class TargetConfig:
+    model: str = ""
+    """Hub name or local directory of the frozen target (any causal LM that `from_pretrained` loads)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype the target is loaded in. `auto`: bfloat16 on a GPU that supports it, else float32."""
+    gguf_file: str | None = None
+    """File name inside `model` when the target is a GGUF checkpoint (dequantized on load)."""
+    attn_implementation: str | None = None
+    """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None keeps the default."""
+    trust_remote_code: bool = False
+
+
+@dataclass
+class HeadsConfig:
+    kind: Literal["chained", "parallel"] = "chained"
+    """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (mlp_speculator
+    block). `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline)."""
+    num_heads: int = 4
+    """K: head k predicts token x_{t+1+k}."""
+    layers_per_head: int = 1
+    """Blocks per head. Chained heads export to vLLM's mlp_speculator only with 1."""
+    own_embed: bool = False
+    """Give the heads their own (trainable) token embedding instead of the target's frozen one."""
+    own_lm_head: bool = False
+    """Give each head its own (trainable) LM head instead of the target's frozen one."""
+    draft_vocab_size: int = 0
+    """If > 0, heads score only the this-many most frequent tokens of the training data (0: full vocab)."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = ""
+    """Hub name, local file, directory or glob of json/jsonl/parquet/txt files."""
+    format: Literal["text", "chat", "auto"] = "auto"
+    """`chat`: a `messages` ({role, content}) or ShareGPT `conversations` ({from, value}) column rendered
+    with the target's chat template, supervised on assistant replies only. `text`: plain text packed
+    into blocks. `auto`: chat if such a column exists, else text."""
+    split: str = "train"
+    """Split to read when `dataset` is a hub name with several splits."""
+    text_column: str = "text"
+    max_length: int = 2048
+    """Tokens per training sequence (text is packed to exactly this; chat is truncated to it)."""
+    eval_size: float = 0.02
+    """Held-out share: a fraction in (0, 1), or a number of examples if >= 1; 0 disables eval."""
+    max_examples: int = 0
+    """Use only the first this-many examples after shuffling (0: all)."""
+    num_proc: int = 1
+    """Processes for tokenization (`datasets.map`)."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means `epochs` full passes over the data."""
+    epochs: float = 1.0
+    batch_size: int = 8
+    """Sequences per micro-step summed over all processes; each process gets batch_size / world_size."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping."""
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 0
+    """Checkpoint every this-many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Rotate `output_dir/checkpoints/step-N`, keeping the newest this-many."""
+
+
+@dataclass
+class LossConfig:
+    distill_weight: float = 1.0
+    """Weight of KL(target || head k) to the target's own distribution at position t+k (soft labels)."""
+    ce_weight: float = 0.0
+    """Weight of cross-entropy to the data token x_{t+1+k}."""
+    decay: float = 0.8
+    """Head k's loss is weighted decay**(k-1)."""
+    chunk_size: int = 1024
+    """Positions per chunk when computing vocab-sized logits, so fp32 logits for all heads over the
+    whole batch are never alive at once."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate on the held-out split every this-many steps (0: only at the end)."""
+    max_batches: int = 20
+    """Held-out batches per evaluation (0: the whole split)."""
+
+
+@dataclass
+class TrackingConfig:
+    backend: Literal["wandb", "none"] = "none"
+    project: str = "medusa-train"
+    run_name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output_dir: str = "runs/heads"
+    """Where final heads, metrics.jsonl and checkpoints/ go."""
+    resume: str = "auto"
+    """`auto`: continue from the newest complete checkpoint in output_dir; `none`; or a checkpoint path."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading, overrides and validation
+
+
+def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = None,
+                world_size: int | None = None) -> Config:
+    """Load a YAML recipe (or only defaults when `recipe` is None), apply `key=value` overrides, validate.
+
+    `world_size` defaults to the `WORLD_SIZE` set by `accelerate launch` / `torchrun`, so a batch size
+    that does not split across processes fails before any model is loaded.
+    """
+    raw: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+        _set_dotted(raw, key.strip(), _parse_scalar(value))
+    cfg = _build(Config, raw, prefix="")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any], world_size: int = 1) -> Config:
+    """Build and validate a Config from a nested dict (as saved next to heads and checkpoints)."""
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def _parse_scalar(text: str) -> Any:
+    text = text.strip()
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.append(prefix + f.name)
+            keys += _all_keys(hint, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    valid = _all_keys(Config)
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not near:  # a misspelled leaf under the right section: compare leaf names
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in valid}
+        hit = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+        near = [leaves[hit[0]]] if hit else []
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return ConfigError(f"unknown config key: {key}{hint}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'recipe'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise _unknown_key_error(prefix + str(key))
+    kwargs = {}
+    for name in names & set(raw):
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, raw[name], prefix + name + ".")
+        else:
+            kwargs[name] = _coerce(prefix + name, raw[name], hint)
+    return cls(**kwargs)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the annotation `hint`; allow int -> float and nothing else implicit."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise ConfigError(f"{key} must be one of {_type_name(hint)}, got {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. a run name written as a number
+    else:  # pragma: no cover - only the types above are used in Config
+        return value
+    raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+
+
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow")
+
+
+def _looks_local(name: str) -> bool:
+    """A name we should find on disk rather than on the hub: explicit paths, data files, globs."""
+    return (name.startswith(("/", "./", "../", "~")) or name.lower().endswith(_DATA_SUFFIXES + (".gguf",))
+            or any(c in name for c in "*?[") or os.sep + os.sep in name)
+
+
+def local_data_files(dataset: str) -> list[str] | None:
+    """The files `dataset` names on disk (a file, a directory of data files, or a glob), or None for a
+    hub name. Raises ConfigError when it clearly names local files that are not there."""
+    path = Path(os.path.expanduser(dataset))
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _DATA_SUFFIXES)
+        if not files:
+            raise ConfigError(f"data.dataset: directory {dataset} holds no json/jsonl/parquet/txt/csv files")
+        return files
+    if any(c in dataset for c in "*?["):
+        files = sorted(glob.glob(os.path.expanduser(dataset), recursive=True))
+        if not files:
+            raise ConfigError(f"data.dataset: glob {dataset} matches no files")
+        return files
+    if _looks_local(dataset):
+        raise ConfigError(f"data.dataset: file not found: {dataset}")
+    return None
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Range and consistency checks. Raises ConfigError naming the key."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(bool(cfg.target.model), "target.model is required: a hub name or a local model directory")
+    if _looks_local(cfg.target.model) or os.path.sep in cfg.target.model and Path(cfg.target.model).exists():
+        need(Path(os.path.expanduser(cfg.target.model)).exists(),
+             f"target.model: directory not found: {cfg.target.model}")
+    if cfg.target.gguf_file is not None and Path(os.path.expanduser(cfg.target.model)).is_dir():
+        need((Path(os.path.expanduser(cfg.target.model)) / cfg.target.gguf_file).is_file(),
+             f"target.gguf_file: {cfg.target.gguf_file} not found in {cfg.target.model}")
+
+    h = cfg.heads
+    need(1 <= h.num_heads <= 16, f"heads.num_heads must be between 1 and 16, got {h.num_heads}")
+    need(1 <= h.layers_per_head <= 8, f"heads.layers_per_head must be between 1 and 8, got {h.layers_per_head}")
+    need(h.draft_vocab_size >= 0, f"heads.draft_vocab_size must be >= 0 (0: full vocab), got {h.draft_vocab_size}")
+
+    d = cfg.data
+    need(bool(d.dataset), "data.dataset is required: a hub name, a local file, a directory or a glob")
+    local_data_files(d.dataset)
+    need(d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}")
+    need(d.eval_size >= 0, f"data.eval_size must be >= 0 (a fraction < 1 or a count), got {d.eval_size}")
+    need(d.eval_size < 1 or float(d.eval_size).is_integer(),
+         f"data.eval_size must be a fraction in (0, 1) or a whole count, got {d.eval_size}")
+    need(d.max_examples >= 0, f"data.max_examples must be >= 0, got {d.max_examples}")
+    need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
+
+    t = cfg.train
+    need(t.max_steps >= 0, f"train.max_steps must be >= 0 (0: use train.epochs), got {t.max_steps}")
+    need(t.max_steps > 0 or t.epochs > 0, "train.epochs must be > 0 when train.max_steps is 0")
+    need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    need(t.batch_size % world_size == 0,
+         f"train.batch_size={t.batch_size} does not divide across {world_size} processes; "
+         f"use a multiple of {world_size}")
+    need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0 (0: no clipping), got {t.max_grad_norm}")
+    need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    need(t.save_every >= 0, f"train.save_every must be >= 0 (0: only at the end), got {t.save_every}")
+    need(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+
+    lo = cfg.loss
+    need(lo.distill_weight >= 0, f"loss.distill_weight must be >= 0, got {lo.distill_weight}")
+    need(lo.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {lo.ce_weight}")
+    need(lo.distill_weight + lo.ce_weight > 0, "loss.distill_weight and loss.ce_weight cannot both be 0")
+    need(0 < lo.decay <= 1, f"loss.decay must be in (0, 1], got {lo.decay}")
+    need(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
+
+    need(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")
+    need(cfg.eval.max_batches >= 0, f"eval.max_batches must be >= 0, got {cfg.eval.max_batches}")
+    need(bool(cfg.output_dir), "output_dir is required")
+    if cfg.resume not in ("auto", "none"):
+        need(Path(cfg.resume).is_dir(), f"resume: checkpoint directory not found: {cfg.resume} "
+                                        "(use auto, none, or a checkpoints/step-N path)")

@@ -1,0 +1,346 @@
+"""Draft heads: chained (mlp_speculator block) and parallel (Medusa-1), their save format and export.
+
+Notation (DESIGN.md): h_t is the target's final post-norm hidden state; head k (1-based) predicts
+x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
+
+- chained: s_0 = h_t; s_k = block_k(s_{k-1}, embed(x_{t+k})); logits_k = lm_head(s_k). The block is
+  exactly vLLM's `mlp_speculator` step, so a chained checkpoint exports to that serving format:
+      s = proj_k(s_prev) + (emb_weight / state_weight) * embed(x)
+      s = gelu(ln_k(s))                     # ln: RMS-normalise, then elementwise scale and shift
+- parallel: s_k = blocks_k(h_t), each block x + silu(W x + b), zero-initialised so an untrained head
+  starts as the target's own next-token guess.
+
+By default `embed` and `lm_head` are the target's own frozen modules, passed in at call time (never
+stored here, so checkpoints hold only head weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FINGERPRINT_ATOL = 2e-3  # cosines move ~1e-5 between fp32/bf16 copies; another model's move ~1/sqrt(d)
+
+
+class HeadsMismatchError(ValueError):
+    """Heads were trained for another target (hidden size, vocab size or weights differ)."""
+
+
+@dataclass
+class HeadsSpec:
+    """Everything needed to rebuild the heads; saved as `config.json` next to the weights."""
+
+    kind: Literal["chained", "parallel"]
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    layers_per_head: int = 1
+    own_embed: bool = False
+    own_lm_head: bool = False
+    draft_vocab_size: int = 0
+    target_name: str = ""
+    target_fingerprint: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def scored_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Target fingerprint
+
+
+def _probe_directions(d: int, n: int) -> torch.Tensor:
+    """n fixed pseudo-random unit directions in R^d, identical on every machine and torch version."""
+    j = torch.arange(d, dtype=torch.float64)
+    rows = [torch.sin(j * (0.618034 + 0.1 * i) + 1.7 * i) * torch.cos(j * 0.0137 * (i + 1)) for i in range(n)]
+    dirs = torch.stack(rows)
+    return dirs / dirs.norm(dim=1, keepdim=True)
+
+
+def _signature(weight: torch.Tensor, n_rows: int = 16) -> list[float]:
+    vocab, d = weight.shape
+    idx = torch.linspace(0, vocab - 1, n_rows).round().long().to(weight.device)
+    rows = weight.detach()[idx].to("cpu", torch.float64)
+    rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    cos = (rows * _probe_directions(d, n_rows)).sum(dim=1)  # row i against direction i
+    return [round(float(c), 6) for c in cos]
+
+
+def target_fingerprint(target: nn.Module) -> dict[str, Any]:
+    """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head."""
+    emb = target.get_input_embeddings().weight
+    out = target.get_output_embeddings().weight
+    return {
+        "hidden_size": int(emb.shape[1]),
+        "vocab_size": int(out.shape[0]),
+        "embed_signature": _signature(emb),
+        "lm_head_signature": _signature(out),
+    }
+
+
+def check_fingerprint(expected: dict[str, Any], target: nn.Module, target_name: str = "") -> None:
+    """Raise HeadsMismatchError naming the first property in which `target` differs from `expected`."""
+    got = target_fingerprint(target)
+    where = f" (heads were trained for {target_name})" if target_name else ""
+    for key in ("hidden_size", "vocab_size"):
+        if key in expected and expected[key] != got[key]:
+            raise HeadsMismatchError(f"heads do not fit this target: {key} is {got[key]}, heads expect "
+                                     f"{expected[key]}{where}")
+    for key in ("embed_signature", "lm_head_signature"):
+        if key in expected:
+            diff = max(abs(a - b) for a, b in zip(expected[key], got[key]))
+            if diff > FINGERPRINT_ATOL:
+                what = "embedding" if key == "embed_signature" else "LM head"
+                raise HeadsMismatchError(f"heads do not fit this target: its {what} weights differ from the "
+                                         f"target the heads were trained on{where} (signature off by {diff:.3g})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks
+
+
+class SpeculatorNorm(nn.Module):
+    """RMS normalisation with elementwise scale and shift, as vLLM's MLPSpeculatorLayerNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        if self.weight is not None:
+            y = y * self.weight + self.bias
+        return y
+
+
+class ResBlock(nn.Module):
+    """x + silu(W x + b), zero-initialised so the block starts as the identity (Medusa-1)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class ChainedBlock(nn.Module):
+    """One mlp_speculator step: s = gelu(ln(proj(s_prev) + c * e)), plus optional residual blocks."""
+
+    def __init__(self, dim: int, emb_scale: float, extra_layers: int = 0):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ln = SpeculatorNorm(dim)
+        self.emb_scale = emb_scale
+        self.extra = nn.ModuleList(ResBlock(dim) for _ in range(extra_layers))
+        nn.init.eye_(self.proj.weight)  # start by carrying the previous state through
+
+    def forward(self, s_prev: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        s = F.gelu(self.ln(self.proj(s_prev) + self.emb_scale * e))
+        for block in self.extra:
+            s = block(s)
+        return s
+
+
+# ---------------------------------------------------------------------------------------------------
+# The heads
+
+
+class DraftHeads(nn.Module):
+    """K draft heads on a frozen target. Holds only head weights; target modules are passed in."""
+
+    def __init__(self, spec: HeadsSpec):
+        super().__init__()
+        self.spec = spec
+        d, K = spec.hidden_size, spec.num_heads
+        if spec.kind == "chained":
+            state_weight = 0.5 ** (0.5 / K)
+            emb_weight = math.sqrt((1 - state_weight**2) * (d / 2))
+            self.input_norm = SpeculatorNorm(d, affine=False)  # mlp_speculator's scale_input ln0
+            self.blocks = nn.ModuleList(
+                ChainedBlock(d, emb_weight / state_weight, spec.layers_per_head - 1) for _ in range(K))
+        elif spec.kind == "parallel":
+            self.blocks = nn.ModuleList(
+                nn.Sequential(*[ResBlock(d) for _ in range(spec.layers_per_head)]) for _ in range(K))
+        else:
+            raise ValueError(f"heads.kind must be 'chained' or 'parallel', got {spec.kind!r}")
+        self.embed = nn.Embedding(spec.vocab_size, d) if spec.own_embed else None
+        self.lm_heads = (nn.ModuleList(nn.Linear(d, spec.scored_vocab, bias=False) for _ in range(K))
+                         if spec.own_lm_head else None)
+        # draft id -> target id; an identity map (length 0) when the heads score the full vocabulary.
+        self.register_buffer("draft_ids", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+
+    # -- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
+                   own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
+                   target_name: str = "") -> DraftHeads:
+        """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's."""
+        emb = target.get_input_embeddings().weight
+        out = target.get_output_embeddings().weight
+        spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
+                         layers_per_head=layers_per_head, own_embed=own_embed, own_lm_head=own_lm_head,
+                         draft_vocab_size=0 if draft_ids is None else len(draft_ids),
+                         target_name=target_name, target_fingerprint=target_fingerprint(target))
+        heads = cls(spec)
+        with torch.no_grad():
+            if draft_ids is not None:
+                heads.draft_ids.copy_(draft_ids)
+            if heads.embed is not None:
+                heads.embed.weight.copy_(emb.float())
+            if heads.lm_heads is not None:
+                rows = out.float() if draft_ids is None else out.float()[draft_ids.to(out.device)]
+                for lin in heads.lm_heads:
+                    lin.weight.copy_(rows)
+        return heads
+
+    # -- the math -------------------------------------------------------------------------------------
+
+    def embed_tokens(self, token_ids: torch.Tensor, embed: nn.Module | None) -> torch.Tensor:
+        if self.embed is not None:
+            return self.embed(token_ids)
+        if embed is None:
+            raise ValueError("these heads use the target's embedding: pass embed=target.get_input_embeddings()")
+        return embed(token_ids)
+
+    def start(self, h: torch.Tensor) -> torch.Tensor:
+        """s_0 from the target's hidden state h_t (chained: parameter-free input scaling)."""
+        return self.input_norm(h) / math.sqrt(2) if self.spec.kind == "chained" else h
+
+    def step(self, k: int, s_prev: torch.Tensor, token_ids: torch.Tensor | None,
+             embed: nn.Module | None = None) -> torch.Tensor:
+        """Head k's state (0-based k). Chained: from s_{k-1} and token x_{t+k}; parallel: from h_t = s_prev
+        (pass `start(h)` and ignore tokens)."""
+        if self.spec.kind == "parallel":
+            return self.blocks[k](s_prev)
+        e = self.embed_tokens(token_ids, embed).to(s_prev.dtype)
+        return self.blocks[k](s_prev, e)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None = None) -> torch.Tensor:
+        """Teacher-forced states for training: [K, B, T, d] where states[k, :, t] is head k+1's state at
+        position t, having read tokens x_{t+1}..x_{t+k+1} (positions past the end see padding; mask them)."""
+        s0 = self.start(h)
+        if self.spec.kind == "parallel":
+            return torch.stack([block(s0) for block in self.blocks])
+        e = self.embed_tokens(input_ids, embed).to(h.dtype)  # [B, T, d]
+        states, s = [], s0
+        for k, block in enumerate(self.blocks):
+            # head k+1 at position t reads the embedding of x_{t+k+1}: shift left by k+1, zero-pad the end
+            e_k = F.pad(e[:, k + 1:], (0, 0, 0, k + 1))
+            s = block(s, e_k)
+            states.append(s)
+        return torch.stack(states)
+
+    def logits(self, k: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Head k's logits over the scored vocabulary (the draft vocab if set): [..., V_draft]."""
+        if self.lm_heads is not None:
+            return self.lm_heads[k](states)
+        if lm_head is None:
+            raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
+        if self.spec.draft_vocab_size:
+            return F.linear(states, lm_head.weight[self.draft_ids])
+        return lm_head(states)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map indices into the scored vocabulary back to target token ids."""
+        return self.draft_ids[ids] if self.spec.draft_vocab_size else ids
+
+    # -- save / load ----------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+        """Write config.json and model.safetensors (heads only). Both are written to temp files first and
+        renamed, so a crash never leaves a half-written file under the final name."""
+        from safetensors.torch import save_file
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        config = asdict(self.spec) | (extra or {})
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, target: nn.Module | None = None,
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DraftHeads:
+        """Load heads; with `target`, first check they were trained for it (HeadsMismatchError if not)."""
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{path} is not a heads directory: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
+        spec = load_spec(path)
+        if target is not None:
+            check_fingerprint(spec.target_fingerprint, target, spec.target_name)
+        heads = cls(spec)
+        heads.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        return heads.to(device=device, dtype=dtype) if (device or dtype) else heads
+
+    def export_mlp_speculator(self, directory: str | os.PathLike, target: nn.Module) -> None:
+        """Write a vLLM `mlp_speculator` checkpoint (config.json + model.safetensors).
+
+        The target's frozen embedding and LM head are copied into every head, as that format keeps one
+        per head. Needs chained heads with one layer per head and the full vocabulary.
+        """
+        from safetensors.torch import save_file
+
+        spec = self.spec
+        if spec.kind != "chained" or spec.layers_per_head != 1 or spec.draft_vocab_size:
+            raise ValueError("mlp_speculator export needs heads.kind=chained, heads.layers_per_head=1 and "
+                             "heads.draft_vocab_size=0")
+        emb = (self.embed.weight if self.embed is not None else target.get_input_embeddings().weight).detach()
+        state: dict[str, torch.Tensor] = {}
+        for k, block in enumerate(self.blocks):
+            head_w = (self.lm_heads[k].weight if self.lm_heads is not None
+                      else target.get_output_embeddings().weight).detach()
+            state[f"emb.{k}.weight"] = emb.float().cpu().clone()
+            state[f"proj.{k}.weight"] = block.proj.weight.detach().float().cpu().clone()
+            state[f"head.{k}.weight"] = head_w.float().cpu().clone()
+            state[f"ln.{k}.weight"] = block.ln.weight.detach().float().cpu().clone()
+            state[f"ln.{k}.bias"] = block.ln.bias.detach().float().cpu().clone()
+        config = {
+            "architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
+            "vocab_size": spec.vocab_size, "emb_dim": spec.hidden_size, "inner_dim": spec.hidden_size,
+            "n_predict": spec.num_heads, "top_k_tokens_per_head": [1] * spec.num_heads, "n_candidates": 1,
+            "tie_weights": False, "scale_input": True, "torch_dtype": "float32",
+        }
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def load_spec(directory: str | os.PathLike) -> HeadsSpec:
+    raw = json.loads((Path(directory) / CONFIG_NAME).read_text())
+    if raw.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{directory} was written by a newer medusa-train (format {raw['format_version']})")
+    names = set(HeadsSpec.__dataclass_fields__)
+    return HeadsSpec(**{k: v for k, v in raw.items() if k in names})
+
+
+def _atomic_write(final: Path, write) -> None:
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
