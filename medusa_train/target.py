@@ -1,0 +1,80 @@
+"""The frozen target: load it once, then read its final hidden state h_t for a batch.
+
+Only `h` [B, T, d] leaves this module. The target's logits (the soft labels) are recomputed per chunk
+of positions in `losses.py` as `lm_head(h_chunk)`, so [B, T, V] teacher logits never exist at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .config import ConfigError, TargetConfig
+
+
+class TargetLoadError(ConfigError):
+    """The target model or its tokenizer cannot be loaded (missing, offline, or not a causal LM)."""
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`target.dtype` -> torch dtype. `auto`: bfloat16 on a GPU that supports it, else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
+    """Load the target causal LM and its tokenizer; the model is frozen (eval mode, no grads) on `device`.
+
+    `dtype` defaults to `resolve_dtype(cfg.dtype, device)`. A GGUF target (`cfg.gguf_file`) is
+    dequantized by transformers on load. Raises TargetLoadError with the fix when the model cannot be
+    loaded (e.g. a hub name on a machine without network and without a local copy).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
+    common: dict = {"trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file:
+        common["gguf_file"] = cfg.gguf_file
+    model_kw: dict = {"dtype": dtype}
+    if cfg.attn_implementation:
+        model_kw["attn_implementation"] = cfg.attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **common)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, **common, **model_kw)
+    except (OSError, ValueError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(e).lower() or \
+            "connect" in str(e).lower()
+        fix = ("the machine cannot reach the hub: download it first (`hf download "
+               f"{cfg.model}`) or set target.model to a local directory") if offline else \
+            "check the name, or set target.model to a local directory holding config.json and weights"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetLoadError(f"target.model: cannot load {cfg.model!r} ({first}); {fix}") from None
+    if model.get_output_embeddings() is None:
+        raise TargetLoadError(f"target.model: {cfg.model!r} has no LM head; draft heads need a causal LM")
+    model.to(device).eval()
+    model.requires_grad_(False)
+    if tokenizer.pad_token_id is None:  # collate needs a pad id; padded positions are masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+@torch.no_grad()
+def target_hidden(model: nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """h [B, T, d]: the target's final post-norm hidden state, what its LM head consumes.
+
+    Read from the decoder's own output (`model.base_model(...).last_hidden_state`), so no model code is
+    copied or patched; the decoder applies its final norm before returning it for every HF causal LM.
+    """
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state
