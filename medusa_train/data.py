@@ -1,0 +1,614 @@
+"""Training data: load a dataset, render it with the target's tokenizer, pack or mask it, batch it.
+
+Two formats (`data.format`, `auto` picks):
+
+- chat: one conversation per row, rendered with `tokenizer.apply_chat_template` and truncated to
+  `data.max_length`. `labels[t] = input_ids[t]` on the tokens the model generates in assistant replies
+  (the reply text and the end-of-turn token, e.g. `<|im_end|>`), -100 elsewhere (system and user turns,
+  the assistant header, the newline a template puts after the end-of-turn token). Reply spans are found
+  by rendering prefixes of the conversation, never with `{% generation %}`, so any template works that
+  renders earlier turns the same way once later turns are added. Rows may be `messages` ({role,
+  content}), ShareGPT `conversations` ({from, value}), Alpaca ({instruction, input, output}) or a
+  question/prompt + answer pair (GSM8K); see `rows_to_messages`.
+- text: `data.text_column` tokenized, documents joined with EOS after each one (BOS before each one when
+  the tokenizer adds BOS) and cut into blocks of exactly `data.max_length`; only the very last block may
+  be shorter, so no token is lost. `labels = input_ids`. A `.txt` file is one document.
+
+Label convention: `labels[t] != -100` means token t is one the model is supposed to generate.
+
+Every problem a user can fix raises `DataError` (a `ConfigError`), one line naming `data.dataset` or the
+key to change; the CLI exits 2 on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError, DataConfig, local_data_files
+
+IGNORE_INDEX = -100
+
+
+class DataError(ConfigError):
+    """The dataset cannot be used as configured. The message is one line that names the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv",
+             ".arrow": "arrow"}
+
+
+def load_raw(data: DataConfig):
+    """The rows of `data.dataset` as a `datasets.Dataset` (hub name, local file, directory or glob)."""
+    import datasets
+
+    try:
+        files = local_data_files(data.dataset)
+    except DataError:
+        raise
+    except ConfigError as e:
+        raise DataError(str(e)) from None
+    if files is None:
+        return _load_hub(data)
+    builders = {}
+    for f in files:
+        builder = _BUILDERS.get(Path(f).suffix.lower())
+        if builder is None:
+            raise DataError(f"data.dataset: {f} is not a json/jsonl/parquet/txt/csv/arrow file")
+        builders.setdefault(builder, []).append(f)
+    if len(builders) > 1:
+        kinds = ", ".join(f"{b} ({len(fs)} files)" for b, fs in builders.items())
+        raise DataError(f"data.dataset {data.dataset} mixes file types: {kinds}; point it at one kind")
+    (builder, files), = builders.items()
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(f"data.dataset {data.dataset} is empty (no rows)")
+    kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    except Exception as e:  # noqa: BLE001 - arrow/json errors come in many types
+        if builder != "json":
+            raise DataError(f"data.dataset: could not read {data.dataset}: {_one_line(e)}") from None
+        ds = _load_json_by_hand(files, data.dataset, e)
+    return ds
+
+
+def _load_hub(data: DataConfig):
+    import datasets
+
+    try:
+        return datasets.load_dataset(data.dataset, split=data.split)
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise DataError(f"data.split={data.split!r} not found in {data.dataset}: {_one_line(e)}") from None
+        reason = e
+    except Exception as e:  # noqa: BLE001 - offline, not found, gated, network: all the same advice
+        reason = e
+    raise DataError(f"data.dataset: could not load {data.dataset!r} from the Hugging Face hub "
+                    f"({type(reason).__name__}: {_one_line(reason)}); if you are offline or it is a local "
+                    f"file, pass a local path (a json/jsonl/parquet/txt/csv file, a directory or a glob)")
+
+
+def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
+    """Fallback for JSON that the arrow reader rejects (e.g. a top-level object of rows, mixed types)."""
+    import datasets
+
+    rows: list[dict] = []
+    for f in files:
+        text = Path(f).read_text(encoding="utf-8")
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                obj = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as e:
+                raise DataError(f"data.dataset: {f} is neither JSON nor JSON lines: {_one_line(e)}") from None
+        if isinstance(obj, dict):  # {"data": [...]} or a single row
+            lists = [v for v in obj.values() if isinstance(v, list) and v and isinstance(v[0], dict)]
+            obj = lists[0] if len(lists) == 1 else [obj]
+        if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
+            raise DataError(f"data.dataset: {f} must hold a list of objects (rows), got {type(obj).__name__}")
+        rows += obj
+    if not rows:
+        raise DataError(f"data.dataset {name} is empty (no rows)")
+    try:
+        return datasets.Dataset.from_list(rows)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"data.dataset: could not read {name}: {_one_line(first_error)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Row formats
+
+_ROLES = {"system": "system", "human": "user", "user": "user", "prompter": "user",
+          "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+          "bing": "assistant", "gpt4": "assistant", "model": "assistant"}
+_PROMPT_KEYS = ("prompt", "question", "query", "instruction", "input")
+_ANSWER_KEYS = ("answer", "response", "completion", "output")
+
+
+def _chat_kind(columns: Iterable[str]) -> str | None:
+    """Which chat layout a set of columns holds: a pair-style one ranks over prompts-only."""
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    if "conversations" in cols:
+        return "conversations"
+    if "instruction" in cols and "output" in cols:
+        return "alpaca"
+    if any(k in cols for k in _PROMPT_KEYS) and any(k in cols for k in _ANSWER_KEYS):
+        return "pair"
+    if "turns" in cols or any(k in cols for k in _PROMPT_KEYS):
+        return "prompts"
+    return None
+
+
+def _content(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # OpenAI-style content parts
+        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
+    return str(value)
+
+
+def _first(d: dict, *keys: str) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def _norm_turns(turns: Any) -> list[dict[str, str]] | None:
+    if not isinstance(turns, list):
+        return None
+    out = []
+    for m in turns:
+        if not isinstance(m, dict):
+            raise DataError(f"chat turns must be objects with role/content or from/value, got {m!r:.80}")
+        role = _first(m, "role", "from")
+        mapped = _ROLES.get(str(role).strip().lower()) if role is not None else None
+        if mapped is None:
+            raise DataError(f"unknown chat role {role!r}; known roles: {', '.join(sorted(_ROLES))}")
+        out.append({"role": mapped, "content": _content(_first(m, "content", "value", "text"))})
+    return out
+
+
+def rows_to_messages(example: dict) -> list[dict[str, str]] | None:
+    """The conversation in a row of any supported layout, or None if the row holds none.
+
+    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}]; Alpaca `instruction` (+ `input`,
+    optional `system` and LLaMA-Factory `history` [[q, a], ...]) + `output`; `prompt`/`question` +
+    `answer`/`response`/`completion`/`output`; prompts only (`prompt`, `question`, MT-Bench `turns`: the
+    first turn) give a single user message.
+    """
+    kind = _chat_kind(k for k, v in example.items() if v is not None)
+    if kind in ("messages", "conversations"):
+        return _norm_turns(example[kind])
+    if kind == "alpaca":
+        user = _content(example.get("instruction"))
+        extra = _content(example.get("input"))
+        if extra.strip():
+            user = f"{user}\n\n{extra}" if user.strip() else extra
+        msgs = []
+        if _content(example.get("system")).strip():
+            msgs.append({"role": "system", "content": _content(example["system"])})
+        for pair in example.get("history") or []:
+            if isinstance(pair, (list, tuple)) and len(pair) == 2:
+                msgs += [{"role": "user", "content": _content(pair[0])},
+                         {"role": "assistant", "content": _content(pair[1])}]
+        return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": _content(example["output"])}]
+    if kind == "pair":
+        user = _content(_first(example, *_PROMPT_KEYS))
+        return [{"role": "user", "content": user},
+                {"role": "assistant", "content": _content(_first(example, *_ANSWER_KEYS))}]
+    if kind == "prompts":
+        turns = example.get("turns")
+        if isinstance(turns, list) and turns:
+            return [{"role": "user", "content": _content(turns[0])}]
+        return [{"role": "user", "content": _content(_first(example, *_PROMPT_KEYS))}]
+    return None
+
+
+def chat_messages(example: dict) -> list[dict[str, str]]:
+    """The row's conversation normalised to [{role: system|user|assistant, content}]; DataError if none."""
+    msgs = rows_to_messages(example)
+    if msgs is None:
+        raise DataError(f"row has no conversation: columns {sorted(example)}; expected messages [{{role, content}}] "
+                        "or conversations [{from, value}]")
+    return msgs
+
+
+def prompt_of(example: dict) -> str | None:
+    """The first user prompt of a row in any supported layout (None if it has none or it is blank)."""
+    try:
+        msgs = rows_to_messages(example)
+    except DataError:
+        return None
+    for m in msgs or []:
+        if m["role"] == "user":
+            return m["content"] if m["content"].strip() else None
+    return None
+
+
+def detect_format(ds, data: DataConfig) -> Literal["text", "chat"]:
+    """`data.format`, or for `auto` chat when a conversation column exists, else text. Checks columns."""
+    cols = list(ds.column_names)
+    kind = _chat_kind(cols)
+    if data.format == "chat":
+        if kind is None:
+            raise DataError(f"data.format=chat but {data.dataset} has columns {cols}; it needs messages "
+                            "[{role, content}] or conversations [{from, value}] (or instruction/output, "
+                            "question/answer)")
+        return "chat"
+    if data.format == "text":
+        if data.text_column not in cols:
+            raise DataError(f"data.text_column={data.text_column!r} is not a column of {data.dataset}; its "
+                            f"columns are {cols}: set data.text_column")
+        return "text"
+    if kind is not None and kind != "prompts":
+        return "chat"
+    if data.text_column in cols:
+        return "text"
+    if kind == "prompts":
+        return "chat"  # prompts only: fails later with the self-distillation hint
+    raise DataError(f"{data.dataset} has no {data.text_column!r} column and no messages/conversations column; "
+                    f"its columns are {cols}: set data.text_column to the text column (or data.format)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat tokenization
+
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                "<|end_of_text|>", "</s>", "<|END_OF_TURN_TOKEN|>", "<|return|>")
+
+
+class ChatTemplateError(DataError):
+    """The chat template does not render a conversation as a prefix-stable sequence (fatal, not per row)."""
+
+
+def _end_ids(tokenizer) -> frozenset[int]:
+    cached = getattr(tokenizer, "_medusa_end_ids", None)
+    if cached is not None:
+        return cached
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    added = tokenizer.get_added_vocab()
+    ids |= {int(added[t]) for t in _END_OF_TURN if t in added}
+    ids = frozenset(ids)
+    try:
+        tokenizer._medusa_end_ids = ids
+    except Exception:  # noqa: BLE001
+        pass
+    return ids
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int) -> dict[str, list[int]]:
+    """Render a conversation with the tokenizer's chat template; supervise only assistant replies.
+
+    For each assistant turn i, `messages[:i]` rendered with the generation prompt must be a token prefix
+    of the whole conversation; the reply span starts there and runs through the first end-of-turn token
+    (EOS or a known end marker) in what `messages[:i+1]` adds, or to its end if it has none.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("the target's tokenizer has no chat template; use data.format=text or a chat model")
+    full = _render(tokenizer, messages, False)
+    labels = [IGNORE_INDEX] * len(full)
+    end_ids = _end_ids(tokenizer)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], True) if i else _render_empty_prefix(tokenizer, messages[:1])
+        upto = _render(tokenizer, messages[: i + 1], False)
+        start = len(before)
+        if full[:start] != before or full[: len(upto)] != upto or len(upto) < start or upto[:start] != before:
+            raise ChatTemplateError(
+                f"the chat template renders turn {i} differently once later turns are added (e.g. it rewrites "
+                "earlier replies or adds per-conversation text), so reply spans cannot be found; use single-turn "
+                "rows or a template without that behaviour")
+        stop = len(upto)
+        for t in range(start, len(upto)):
+            if upto[t] in end_ids:
+                stop = t + 1
+                break
+        labels[start:stop] = full[start:stop]
+    return {"input_ids": full[:max_length], "labels": labels[:max_length]}
+
+
+def _render_empty_prefix(tokenizer, first: list[dict]) -> list[int]:
+    """The prefix before a conversation that starts with an assistant turn: the generation prompt alone.
+
+    Templates differ on empty conversations, so render a probe and cut it where the assistant content starts.
+    """
+    probe = "\x00MEDUSA_PROBE\x00"
+    text = tokenizer.apply_chat_template([{"role": "assistant", "content": probe}], tokenize=False)
+    cut = text.find(probe)
+    if cut < 0:
+        raise ChatTemplateError("the chat template drops assistant-first conversations; start rows with a user turn")
+    return tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the datasets
+
+
+def _eval_count(eval_size: float, n: int) -> int:
+    if eval_size <= 0:
+        return 0
+    k = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * n))
+    if k >= n:
+        raise DataError(f"data.eval_size={eval_size:g} leaves no training examples out of {n}; lower it")
+    return k
+
+
+def _bos_id(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts one in front of plain text (Llama-style), else None."""
+    bos = tokenizer.bos_token_id
+    if bos is None or bos == tokenizer.eos_token_id:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def _tokenize_text_batch(batch, tokenizer, column: str, bos: int | None, eos: int):
+    texts = [t if isinstance(t, str) else "" for t in batch[column]]
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    out = []
+    for ids in enc:
+        if not ids:
+            out.append([])
+            continue
+        out.append(([bos] if bos is not None else []) + list(ids) + [eos])
+    return {"input_ids": out}
+
+
+def _pack(tok_ds, max_length: int):
+    """Concatenate all documents and cut into blocks of max_length (the last may be shorter)."""
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    if tok_ds._indices is not None:
+        tok_ds = tok_ds.flatten_indices()
+    col = tok_ds.data.column("input_ids")
+    values = pa.chunked_array([c.flatten() for c in col.chunks], type=col.type.value_type).combine_chunks() \
+        if col.num_chunks else pa.array([], type=pa.int64())
+    values = values.cast(pa.int32())
+    n = len(values)
+    offsets = np.arange(0, n, max_length, dtype=np.int32)
+    offsets = np.append(offsets, np.int32(n)) if n else np.zeros(1, dtype=np.int32)
+    blocks = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
+    table = pa.table({"input_ids": blocks, "labels": blocks})
+    return datasets.Dataset(InMemoryTable(table))
+
+
+def _chat_batch(batch, tokenizer, max_length: int):
+    keys = list(batch)
+    out: dict[str, list] = {"input_ids": [], "labels": [], "n_sup": [], "drop_reason": []}
+    for i in range(len(batch[keys[0]])):
+        row = {k: batch[k][i] for k in keys}
+        ids: list[int] = []
+        labels: list[int] = []
+        reason = ""
+        try:
+            msgs = chat_messages(row)
+            if not msgs:
+                reason = "empty conversation"
+            else:
+                enc = tokenize_chat(msgs, tokenizer, max_length)
+                ids, labels = enc["input_ids"], enc["labels"]
+        except ChatTemplateError:
+            raise
+        except DataError as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - jinja raise_exception(), e.g. roles must alternate
+            reason = f"chat template error: {_one_line(e)}"
+        n_sup = sum(1 for x in labels if x != IGNORE_INDEX)
+        if not reason and n_sup == 0:
+            reason = "no assistant tokens" + (" within data.max_length" if any(
+                m["role"] == "assistant" for m in msgs) else " (no assistant reply)")
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["n_sup"].append(n_sup)
+        out["drop_reason"].append(reason)
+    return out
+
+
+def _lengths(ds, column: str) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    if len(ds) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ds._indices is not None:
+        ds = ds.flatten_indices()
+    return np.asarray(pc.list_value_length(ds.data.column(column).combine_chunks()).to_numpy(zero_copy_only=False),
+                      dtype=np.int64)
+
+
+def _tokenize(ds, fmt: str, cfg: Config, tokenizer, desc: str):
+    """Tokenize one split. Returns (rows, dropped, drop_reasons, supervised_tokens)."""
+    d = cfg.data
+    num_proc = min(d.num_proc, max(1, len(ds))) if d.num_proc > 1 else None
+    if fmt == "text":
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise DataError("the target's tokenizer has no eos_token, needed to separate packed documents")
+        tok = ds.map(_tokenize_text_batch, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
+                     fn_kwargs=dict(tokenizer=tokenizer, column=d.text_column, bos=_bos_id(tokenizer), eos=int(eos)),
+                     desc=f"Tokenizing {desc}")
+        lens = _lengths(tok, "input_ids")
+        dropped = int((lens == 0).sum())
+        packed = _pack(tok, d.max_length)
+        n_tok = int(lens.sum())
+        return packed, dropped, Counter({"empty document": dropped} if dropped else {}), n_tok
+    tok = ds.map(_chat_batch, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
+                 fn_kwargs=dict(tokenizer=tokenizer, max_length=d.max_length), desc=f"Tokenizing {desc}")
+    reasons = Counter(r for r in tok["drop_reason"] if r)
+    n_sup = np.asarray(tok["n_sup"], dtype=np.int64)
+    keep = np.nonzero(n_sup > 0)[0]
+    dropped = len(tok) - len(keep)
+    if dropped:
+        tok = tok.select(keep)
+    tok = tok.remove_columns(["n_sup", "drop_reason"])
+    return tok, dropped, reasons, int(n_sup[keep].sum()) if len(keep) else 0
+
+
+def build_datasets(cfg: Config, tokenizer):
+    """-> (train, eval or None, info). Rows hold `input_ids` and `labels` (lists of int, len <= max_length).
+
+    info: {"format", "rows", "tokens", "supervised_tokens", "dropped"} for the training split, plus
+    "eval_rows", "eval_tokens" and "drop_reasons" ({reason: count} over both splits).
+    """
+    d = cfg.data
+    raw = load_raw(d)
+    if len(raw) == 0:
+        raise DataError(f"data.dataset {d.dataset} is empty (no rows)")
+    fmt = detect_format(raw, d)
+    raw = raw.shuffle(seed=cfg.train.seed)
+    if d.max_examples and d.max_examples < len(raw):
+        raw = raw.select(range(d.max_examples))
+    n_eval = _eval_count(d.eval_size, len(raw))
+    eval_raw = raw.select(range(n_eval)) if n_eval else None
+    train_raw = raw.select(range(n_eval, len(raw))) if n_eval else raw
+
+    train, dropped, reasons, sup = _tokenize(train_raw, fmt, cfg, tokenizer, "train")
+    eval_ds, eval_dropped = None, 0
+    if eval_raw is not None:
+        eval_ds, eval_dropped, eval_reasons, _ = _tokenize(eval_raw, fmt, cfg, tokenizer, "eval")
+        reasons += eval_reasons
+    tokens = int(_lengths(train, "input_ids").sum())
+    if fmt == "text":
+        sup = tokens
+    top = f" (most common: {reasons.most_common(1)[0][0]})" if reasons else ""
+    if len(train) == 0 or tokens == 0:
+        if fmt == "chat":
+            hint = (" a prompts-only file needs responses first (self-distillation)"
+                    if reasons and all("no assistant" in r for r in reasons) else "")
+            raise DataError(f"no conversation in {d.dataset} has an assistant token to train on: all "
+                            f"{dropped} training rows dropped{top};{hint or ' check the roles and data.max_length'}")
+        raise DataError(f"data.dataset {d.dataset}: column {d.text_column!r} holds no text (all documents empty)")
+    if fmt == "chat" and sup == tokens:
+        raise DataError(f"every token of {d.dataset} is supervised: the chat template marks no prompt or header "
+                        "tokens, so the mask is wrong; check the roles (are all turns 'assistant'?) or use "
+                        "data.format=text")
+    if eval_ds is not None and len(eval_ds) == 0:
+        eval_ds = None
+    info = {"format": fmt, "rows": len(train), "tokens": tokens, "supervised_tokens": int(sup), "dropped": dropped,
+            "eval_rows": len(eval_ds) if eval_ds is not None else 0,
+            "eval_tokens": int(_lengths(eval_ds, "input_ids").sum()) if eval_ds is not None else 0,
+            "eval_dropped": eval_dropped, "drop_reasons": dict(reasons)}
+    return train, eval_ds, info
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batching and reports
+
+
+def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, labels: LongTensors [B, T], right-padded to the longest row (labels -100)."""
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        if len(r["labels"]) != n:
+            raise ValueError(f"row {i}: {n} input_ids but {len(r['labels'])} labels")
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.long)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _marked(tokenizer, ids: list[int], labels: list[int], colour: bool) -> str:
+    """Decode a row with supervised spans wrapped in [[ ]] (green when colour)."""
+    open_, close = ("\x1b[32m[[", "]]\x1b[0m") if colour else ("[[", "]]")
+    parts, t = [], 0
+    while t < len(ids):
+        sup = labels[t] != IGNORE_INDEX
+        u = t
+        while u < len(ids) and (labels[u] != IGNORE_INDEX) == sup:
+            u += 1
+        text = tokenizer.decode(ids[t:u], skip_special_tokens=False)
+        parts.append(f"{open_}{text}{close}" if sup else text)
+        t = u
+    return "".join(parts)
+
+
+def dry_run_report(cfg: Config, tokenizer, n_examples: int = 2) -> str:
+    """What training would see: a few examples with supervised spans marked [[ ]], and dataset totals."""
+    train, eval_ds, info = build_datasets(cfg, tokenizer)
+    colour = sys.stdout.isatty()
+    lines = [f"data: {cfg.data.dataset} (format {info['format']}, max_length {cfg.data.max_length})"]
+    for i in range(min(n_examples, len(train))):
+        row = train[i]
+        n = len(row["input_ids"])
+        s = sum(1 for x in row["labels"] if x != IGNORE_INDEX)
+        lines.append(f"--- example {i}: {n} tokens, {s} supervised ({s / max(n, 1):.0%}); supervised text in [[ ]]")
+        lines.append(_marked(tokenizer, row["input_ids"], row["labels"], colour))
+    lines.append("---")
+    frac = info["supervised_tokens"] / max(info["tokens"], 1)
+    lines.append(f"train: {info['rows']} rows, {info['tokens']} tokens, {info['supervised_tokens']} supervised "
+                 f"({frac:.0%}), {info['dropped']} rows dropped")
+    if info["drop_reasons"]:
+        lines.append("dropped: " + "; ".join(f"{c} x {r}" for r, c in Counter(info["drop_reasons"]).most_common(3)))
+    lines.append(f"eval: {info['eval_rows']} rows, {info['eval_tokens']} tokens" if eval_ds is not None
+                 else "eval: none (data.eval_size=0)")
+    return "\n".join(lines)
+
+
+def token_counts(ds, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64 counts of the supervised tokens (labels != -100) of a tokenized dataset."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for batch in ds.with_format("arrow").iter(batch_size=4096):
+        col = batch.column("labels")
+        vals = np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in col.chunks]) \
+            if hasattr(col, "chunks") else col.flatten().to_numpy(zero_copy_only=False)
+        vals = vals[vals != IGNORE_INDEX].astype(np.int64)
+        if vals.size and (vals.min() < 0 or vals.max() >= vocab_size):
+            raise ValueError(f"token id {int(vals.max())} outside a vocabulary of {vocab_size}")
+        counts += np.bincount(vals, minlength=vocab_size)
+    return torch.from_numpy(counts)
+
+
+def select_draft_vocab(counts: torch.Tensor, n: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The `n` most frequent ids (ties: lower id first), `always` forced in, sorted ascending (LongTensor)."""
+    counts = torch.as_tensor(counts)
+    V = counts.numel()
+    always = sorted({int(a) for a in always if a is not None})
+    if n <= 0:
+        raise ValueError(f"draft vocab size must be > 0, got {n}")
+    if any(a < 0 or a >= V for a in always):
+        raise ValueError(f"always-included ids {always} outside a vocabulary of {V}")
+    if len(always) > n:
+        raise ValueError(f"{len(always)} always-included ids do not fit a draft vocab of {n}")
+    if n >= V:
+        return torch.arange(V, dtype=torch.long)
+    key = counts.to(torch.float64).clone()
+    if always:
+        key[torch.tensor(always)] = float("inf")
+    order = torch.sort(-key, stable=True).indices[:n]
+    return torch.sort(order).values.to(torch.long)

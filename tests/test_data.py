@@ -1,0 +1,334 @@
+"""medusa_train.data on the tiny ChatML tokenizer and small files written to tmp_path (no network)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa_train.config import Config, ConfigError, DataConfig, TrainConfig
+from medusa_train.data import (IGNORE_INDEX, DataError, build_datasets, chat_messages, collate, detect_format,
+                               dry_run_report, load_raw, prompt_of, rows_to_messages, select_draft_vocab,
+                               token_counts, tokenize_chat)
+from tiny import tiny_tokenizer
+
+EOT = "<|im_end|>"
+
+CONVS = [
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another one?"},
+     {"role": "assistant", "content": "Green, or maybe teal."}],
+    [{"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}],
+    [{"role": "user", "content": "Say hi twice."},
+     {"role": "assistant", "content": "hi"},
+     {"role": "user", "content": "again"},
+     {"role": "assistant", "content": "hi hi"},
+     {"role": "user", "content": "and once more"},
+     {"role": "assistant", "content": "hi!"}],
+]
+SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def sharegpt(convs):
+    return [{"id": f"c{i}", "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in c]}
+            for i, c in enumerate(convs)]
+
+
+def cfg_for(path, **data):
+    seed = data.pop("seed", 0)
+    data.setdefault("eval_size", 0)
+    return Config(data=DataConfig(dataset=str(path), **data), train=TrainConfig(seed=seed))
+
+
+def spans(ids, labels):
+    """The supervised token runs of one row."""
+    out, cur = [], []
+    for i, lab in zip(ids, labels):
+        if lab != IGNORE_INDEX:
+            assert lab == i
+            cur.append(i)
+        elif cur:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# chat masking
+
+
+@pytest.mark.parametrize("conv", CONVS)
+def test_exactly_assistant_tokens_supervised(tok, conv):
+    enc = tokenize_chat(conv, tok, max_length=4096)
+    assert len(enc["input_ids"]) == len(enc["labels"])
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert enc["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    got = [tok.decode(s) for s in spans(enc["input_ids"], enc["labels"])]
+    assert got == [m["content"] + EOT for m in conv if m["role"] == "assistant"]
+
+
+def test_truncation_keeps_alignment(tok):
+    full = tokenize_chat(CONVS[0], tok, max_length=4096)
+    cut = tokenize_chat(CONVS[0], tok, max_length=40)
+    assert cut["input_ids"] == full["input_ids"][:40] and cut["labels"] == full["labels"][:40]
+
+
+def test_template_that_rewrites_history_is_a_clear_error(tok):
+    t = tiny_tokenizer()
+    # drops earlier assistant replies' content, like reasoning templates that strip old thinking
+    t.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\n<|im_end|>\n' }}{% else %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    with pytest.raises(DataError, match="renders turn 1 differently"):
+        tokenize_chat(CONVS[0][1:], t, 4096)
+
+
+def test_sharegpt_and_messages_give_identical_rows(tok, tmp_path):
+    a = write_jsonl(tmp_path / "messages.jsonl", [{"messages": c} for c in CONVS])
+    b = write_json(tmp_path / "sharegpt.json", sharegpt(CONVS))
+    ra, _, ia = build_datasets(cfg_for(a), tok)
+    rb, _, ib = build_datasets(cfg_for(b), tok)
+    assert ia["format"] == ib["format"] == "chat"
+    assert ra["input_ids"] == rb["input_ids"] and ra["labels"] == rb["labels"]
+    assert ia == ib
+
+
+def test_row_formats():
+    assert chat_messages({"conversations": [{"from": "human", "value": "q"}, {"from": "chatgpt", "value": "a"}]}) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    alpaca = {"instruction": "Translate.", "input": "bonjour", "output": "hello"}
+    assert rows_to_messages(alpaca) == [{"role": "user", "content": "Translate.\n\nbonjour"},
+                                        {"role": "assistant", "content": "hello"}]
+    assert rows_to_messages({"instruction": "Hi", "input": "", "output": "yo"})[0]["content"] == "Hi"
+    assert rows_to_messages({"question": "1+1?", "answer": "2"}) == [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    assert rows_to_messages({"text": "plain"}) is None
+    with pytest.raises(DataError, match="unknown chat role 'robot'"):
+        chat_messages({"messages": [{"role": "robot", "content": "x"}]})
+    with pytest.raises(DataError, match="no conversation"):
+        chat_messages({"text": "plain"})
+
+
+def test_prompt_of_every_layout():
+    assert prompt_of({"id": "x", "conversations": [{"from": "human", "value": "P1"}]}) == "P1"
+    assert prompt_of({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "P2"},
+                                   {"role": "assistant", "content": "a"}]}) == "P2"
+    assert prompt_of({"instruction": "P3", "input": "ctx", "output": "o"}) == "P3\n\nctx"
+    assert prompt_of({"question": "P4", "answer": "a"}) == "P4"
+    assert prompt_of({"uid": "u", "category": "c", "prompt": "P5"}) == "P5"
+    assert prompt_of({"question_id": 81, "turns": ["P6", "follow-up"]}) == "P6"
+    assert prompt_of({"conversations": [{"from": "human", "value": "  "}]}) is None
+    assert prompt_of({"text": "no prompt"}) is None
+
+
+def test_alpaca_and_gsm8k_files_train_as_chat(tok, tmp_path):
+    alp = write_json(tmp_path / "alpaca.json", [{"instruction": f"Do {i}.", "input": "", "output": f"Done {i}."}
+                                               for i in range(5)])
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(5)])
+    for path, answers in ((alp, {f"Done {i}." for i in range(5)}), (gsm, {f"#### {i + 1}" for i in range(5)})):
+        train, _, info = build_datasets(cfg_for(path), tok)
+        assert info["format"] == "chat" and info["rows"] == 5
+        got = {tok.decode(s[0])[: -len(EOT)] for s in (spans(r["input_ids"], r["labels"]) for r in train)}
+        assert got == answers
+
+
+# ---------------------------------------------------------------------------------------------------
+# text packing
+
+
+def test_text_packing_exact_blocks_no_token_lost(tok, tmp_path):
+    docs = [f"document number {i} " + "xyz" * (i % 7) for i in range(40)]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"body": d} for d in docs])
+    cfg = cfg_for(path, text_column="body", max_length=16)
+    train, ev, info = build_datasets(cfg, tok)
+    assert ev is None and info["format"] == "text"
+    rows = train["input_ids"]
+    assert all(len(r) == 16 for r in rows[:-1]) and 1 <= len(rows[-1]) <= 16
+    assert train["labels"] == rows
+    flat = [t for r in rows for t in r]
+    eos = tok.eos_token_id
+    assert flat[-1] == eos and flat.count(eos) == len(docs)
+    # documents come back whole, each followed by EOS, in the shuffled order
+    pieces, cur = [], []
+    for t in flat:
+        if t == eos:
+            pieces.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    assert sorted(pieces) == sorted(docs)
+    assert info["tokens"] == info["supervised_tokens"] == len(flat) == sum(len(tok(d)["input_ids"]) + 1 for d in docs)
+
+
+def test_txt_file_is_one_document(tok, tmp_path):
+    (tmp_path / "a.txt").write_text("line one\nline two\n")
+    (tmp_path / "b.txt").write_text("other file")
+    train, _, info = build_datasets(cfg_for(tmp_path, max_length=8), tok)
+    flat = [t for r in train["input_ids"] for t in r]
+    assert flat.count(tok.eos_token_id) == 2 and info["rows"] == len(train)
+
+
+# ---------------------------------------------------------------------------------------------------
+# order, caps and splits
+
+
+def test_deterministic_order_per_seed(tok, tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(50)])
+    a = build_datasets(cfg_for(path, seed=1), tok)[0]["input_ids"]
+    b = build_datasets(cfg_for(path, seed=1), tok)[0]["input_ids"]
+    c = build_datasets(cfg_for(path, seed=2), tok)[0]["input_ids"]
+    assert a == b and a != c and sorted(map(tuple, a)) == sorted(map(tuple, c))
+
+
+@pytest.mark.parametrize("eval_size,n_eval", [(0, 0), (0.1, 4), (0.01, 1), (7, 7), (7.0, 7)])
+def test_eval_split_sizes(tok, tmp_path, eval_size, n_eval):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(40)])
+    train, ev, info = build_datasets(cfg_for(path, eval_size=eval_size), tok)
+    assert (ev is None) == (n_eval == 0)
+    assert info["rows"] == len(train) == 40 - n_eval and info["eval_rows"] == n_eval
+    if ev is not None:  # held out, not shared with train
+        assert not set(map(tuple, ev["input_ids"])) & set(map(tuple, train["input_ids"]))
+
+
+def test_max_examples_and_eval_too_big(tok, tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(40)])
+    train, ev, info = build_datasets(cfg_for(path, max_examples=10, eval_size=2), tok)
+    assert len(train) == 8 and len(ev) == 2
+    with pytest.raises(DataError, match="data.eval_size=10 leaves no training examples"):
+        build_datasets(cfg_for(path, max_examples=10, eval_size=10), tok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_empty_file(tok, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        build_datasets(cfg_for(tmp_path / "empty.jsonl"), tok)
+    path = write_json(tmp_path / "empty.json", [])
+    with pytest.raises(DataError, match="empty"):
+        build_datasets(cfg_for(path), tok)
+
+
+def test_missing_column_names_columns_and_key(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"body": "x", "meta": 1}])
+    with pytest.raises(DataError, match=r"no 'text' column.*\['body', 'meta'\].*data.text_column"):
+        build_datasets(cfg_for(path), tok)
+    with pytest.raises(DataError, match=r"data.text_column='content'.*\['body', 'meta'\]"):
+        build_datasets(cfg_for(path, format="text", text_column="content"), tok)
+    with pytest.raises(DataError, match=r"data.format=chat.*\['body', 'meta'\]"):
+        build_datasets(cfg_for(path, format="chat"), tok)
+
+
+def test_chat_with_nothing_supervised(tok, tmp_path):
+    path = write_json(tmp_path / "prompts.json", [{"id": str(i), "conversations": [{"from": "human", "value": "q"}]}
+                                                  for i in range(3)])
+    with pytest.raises(DataError, match="no conversation .* has an assistant token.*self-distillation"):
+        build_datasets(cfg_for(path), tok)
+    # replies that start beyond max_length are dropped too
+    long = write_jsonl(tmp_path / "long.jsonl", [{"question": "q" * 100, "answer": "a"}] * 2)
+    with pytest.raises(DataError, match="no conversation .* has an assistant token"):
+        build_datasets(cfg_for(long, max_length=16), tok)
+
+
+def test_chat_with_everything_supervised(tmp_path):
+    t = tiny_tokenizer()
+    t.chat_template = "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}"
+    path = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "assistant", "content": "only me"}]}] * 3)
+    with pytest.raises(DataError, match="every token .* is supervised"):
+        build_datasets(cfg_for(path), t)
+
+
+def test_rows_without_reply_dropped_and_counted(tok, tmp_path):
+    rows = [{"messages": c} for c in CONVS] + [{"messages": [{"role": "user", "content": "no answer"}]}]
+    train, _, info = build_datasets(cfg_for(write_jsonl(tmp_path / "m.jsonl", rows)), tok)
+    assert info["rows"] == 3 and info["dropped"] == 1
+    assert info["supervised_tokens"] == sum(x != IGNORE_INDEX for r in train["labels"] for x in r)
+
+
+def test_data_error_is_config_error_and_bad_paths(tok, tmp_path):
+    assert issubclass(DataError, ConfigError)
+    with pytest.raises(DataError, match="file not found"):
+        load_raw(DataConfig(dataset=str(tmp_path / "missing.jsonl")))
+
+
+def test_hub_failure_says_pass_a_local_path(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(DataError, match=r"no-such-org/no-such-set.*local path"):
+        load_raw(DataConfig(dataset="no-such-org/no-such-set"))
+
+
+def test_detect_format(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"text": "a", "messages": [{"role": "user", "content": "x"}]}])
+    assert detect_format(ds, DataConfig(dataset="x")) == "chat"
+    assert detect_format(ds, DataConfig(dataset="x", format="text")) == "text"
+    assert detect_format(datasets.Dataset.from_list([{"text": "a"}]), DataConfig(dataset="x")) == "text"
+
+
+# ---------------------------------------------------------------------------------------------------
+# batching, report, draft vocab
+
+
+def test_collate_padding():
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    b = collate(rows, pad_token_id=259)
+    assert all(v.dtype == torch.long and v.shape == (2, 3) for v in b.values())
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 259, 259]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+
+
+def test_dry_run_report_marks_spans(tok, tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": CONVS[1]}])
+    report = dry_run_report(cfg_for(path), tok, n_examples=1)
+    assert "[[4<|im_end|>]]" in report and "user\n2+2?" in report
+    assert "1 rows" in report and "supervised" in report
+
+
+def test_token_counts_and_select_draft_vocab(tok, tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": CONVS[1]}] * 3)
+    train, _, info = build_datasets(cfg_for(path), tok)
+    counts = token_counts(train, 260)
+    assert counts.shape == (260,) and counts.sum().item() == info["supervised_tokens"] == 6
+    assert counts[ord("4") - 33 + 0].item() >= 0  # byte ids are not ASCII: just check totals and the EOS
+    assert counts[tok.eos_token_id].item() == 3
+
+    c = torch.tensor([5, 0, 9, 9, 1, 0, 3])
+    assert select_draft_vocab(c, 3).tolist() == [0, 2, 3]
+    assert select_draft_vocab(c, 3, always=[5]).tolist() == [2, 3, 5]
+    assert select_draft_vocab(c, 4, always=[1, 5]).tolist() == [1, 2, 3, 5]
+    assert select_draft_vocab(c, 10).tolist() == list(range(7))
+    out = select_draft_vocab(c, 2)
+    assert out.dtype == torch.long and out.tolist() == [2, 3]
+    with pytest.raises(ValueError):
+        select_draft_vocab(c, 1, always=[0, 1])
