@@ -31,41 +31,63 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
-    """Load the target causal LM and its tokenizer; the model is frozen (eval mode, no grads) on `device`.
+def _load_error(cfg: TargetConfig, what: str, e: Exception) -> TargetLoadError:
+    text = str(e).strip()
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or any(w in text.lower() for w in ("offline", "connect"))
+    fix = (f"the machine cannot reach the hub: download it first (`hf download {cfg.model}`) or set "
+           "target.model to a local directory") if offline else \
+        "check the name, or set target.model to a local directory holding config.json and weights"
+    first = text.splitlines()[0] if text else type(e).__name__
+    return TargetLoadError(f"target.model: cannot load the {what} of {cfg.model!r} ({first}); {fix}")
+
+
+def _common_kwargs(cfg: TargetConfig) -> dict:
+    kw: dict = {"trust_remote_code": cfg.trust_remote_code}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    return kw
+
+
+def load_tokenizer(cfg: TargetConfig):
+    """The target's tokenizer (cheap: used first, so data errors surface before the model loads)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **_common_kwargs(cfg))
+    except (OSError, ValueError) as e:
+        raise _load_error(cfg, "tokenizer", e) from None
+    if tokenizer.pad_token_id is None:  # collate needs a pad id; padded positions are masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """The target causal LM, frozen: eval mode, requires_grad False, on `device`.
 
     `dtype` defaults to `resolve_dtype(cfg.dtype, device)`. A GGUF target (`cfg.gguf_file`) is
-    dequantized by transformers on load. Raises TargetLoadError with the fix when the model cannot be
-    loaded (e.g. a hub name on a machine without network and without a local copy).
+    dequantized by transformers on load. Raises TargetLoadError with the fix when it cannot be loaded
+    (e.g. a hub name on a machine without network and without a local copy).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    dtype = dtype or resolve_dtype(cfg.dtype, device)
-    common: dict = {"trust_remote_code": cfg.trust_remote_code}
-    if cfg.gguf_file:
-        common["gguf_file"] = cfg.gguf_file
-    model_kw: dict = {"dtype": dtype}
+    kw = _common_kwargs(cfg) | {"dtype": dtype or resolve_dtype(cfg.dtype, device)}
     if cfg.attn_implementation:
-        model_kw["attn_implementation"] = cfg.attn_implementation
+        kw["attn_implementation"] = cfg.attn_implementation
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **common)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **common, **model_kw)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw)
     except (OSError, ValueError) as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(e).lower() or \
-            "connect" in str(e).lower()
-        fix = ("the machine cannot reach the hub: download it first (`hf download "
-               f"{cfg.model}`) or set target.model to a local directory") if offline else \
-            "check the name, or set target.model to a local directory holding config.json and weights"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetLoadError(f"target.model: cannot load {cfg.model!r} ({first}); {fix}") from None
+        raise _load_error(cfg, "model", e) from None
     if model.get_output_embeddings() is None:
         raise TargetLoadError(f"target.model: {cfg.model!r} has no LM head; draft heads need a causal LM")
     model.to(device).eval()
     model.requires_grad_(False)
-    if tokenizer.pad_token_id is None:  # collate needs a pad id; padded positions are masked anyway
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return model
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
+    """(model, tokenizer): the frozen target (see `load_model`) and its tokenizer."""
+    return load_model(cfg, device, dtype), load_tokenizer(cfg)
 
 
 @torch.no_grad()

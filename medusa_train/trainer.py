@@ -1,0 +1,338 @@
+"""The training loop: an explicit Accelerate loop over a frozen target and trainable draft heads.
+
+    for each micro-batch:
+        h = target_hidden(target, batch)                 # frozen, no_grad            [B, T, d]
+        loss, stats = objective(h, batch, embed, lm_head) # heads + chunked KL/CE      (only heads learn)
+        backward; on a sync step: clip, optimizer step, lr schedule, zero grads
+        every log_every steps: reduce stats across processes, one host sync, log
+        every eval.every steps: held-out eval; every save_every steps: atomic checkpoint
+
+Outputs in `output_dir`: the heads (`config.json` + `model.safetensors`), `recipe.yaml` (the resolved
+config), `acceptance.json` (per-head top-k acceptance, read by the inference engine), `metrics.jsonl`
+(one row per log step and per eval), `checkpoints/step-N/` and, with W&B, `wandb/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from .config import Config
+from .data import build_datasets, collate, select_draft_vocab, token_counts
+from .evaluate import evaluate, save_acceptance
+from .heads import DraftHeads
+from .losses import STATS, HeadsObjective, summarize
+from .target import load_model, load_tokenizer, target_hidden
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+RECIPE_NAME = "recipe.yaml"
+METRICS_NAME = "metrics.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small pieces the loop is made of
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """lr multiplier: linear warmup from 0 to 1 over warmup_steps, then cosine down to min_lr_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag that the loop checks after each optimizer step (save, then exit).
+
+    A second signal gets the default behaviour, so a stuck run can still be killed.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint and stopping after this step",
+              flush=True)
+
+    def __enter__(self) -> StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete `checkpoints/step-N` (temp dirs of an interrupted save are ignored)."""
+    root = Path(output_dir) / CHECKPOINTS
+    done = [p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file() and p.name[5:].isdigit()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
+    """accelerator.save_state into a temp dir, plus the data position and resolved recipe, then rename
+    it to checkpoints/step-N and rotate to `train.keep_checkpoints`. A crash mid-save leaves only a
+    `.tmp-*` dir, which resume ignores."""
+    root = Path(cfg.output_dir) / CHECKPOINTS
+    final = root / f"step-{position['step']}"
+    tmp = root / f".tmp-step-{position['step']}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # heads, optimizer, scheduler, sampler, RNG of every process
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (tmp / TRAINER_STATE).write_text(json.dumps(position, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for old in done[:-cfg.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def append_metrics(output_dir: str | os.PathLike, row: dict[str, Any]) -> None:
+    with open(Path(output_dir) / METRICS_NAME, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Setup steps
+
+
+def _setup_accelerator(cfg: Config):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    return Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        # the schedule counts optimizer steps; stepping it once per step keeps it independent of world size
+        step_scheduler_with_optimizer=False,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.train.seed),
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir),
+        log_with="wandb" if cfg.tracking.backend == "wandb" else None,
+    )
+
+
+def _setup_tracking(accelerator, cfg: Config) -> None:
+    """Start the W&B tracker (offline when there is neither WANDB_API_KEY nor WANDB_MODE)."""
+    if cfg.tracking.backend != "wandb":
+        return
+    offline = not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE")
+    kwargs: dict[str, Any] = {"dir": str(Path(cfg.output_dir).resolve())}
+    if cfg.tracking.run_name:
+        kwargs["name"] = cfg.tracking.run_name
+    if cfg.tracking.entity:
+        kwargs["entity"] = cfg.tracking.entity
+    if offline:
+        kwargs["mode"] = "offline"
+    accelerator.init_trackers(cfg.tracking.project, config=cfg.to_dict(), init_kwargs={"wandb": kwargs})
+    if offline and accelerator.is_main_process:
+        run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
+        accelerator.print(f"wandb: offline run in {run_dir} (no WANDB_API_KEY); upload it with: wandb sync {run_dir}")
+
+
+def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
+    h = cfg.heads
+    draft_ids = None
+    if h.draft_vocab_size:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        always = [i for i in (target.config.eos_token_id, getattr(target.config, "bos_token_id", None))
+                  if isinstance(i, int)]
+        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab_size, always)
+    heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
+                                  draft_ids=draft_ids, target_name=cfg.target.model)
+    return heads.to(target.device)
+
+
+def _setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
+    per_process = cfg.train.batch_size // accelerator.num_processes
+    fn = partial(collate, pad_token_id=pad_token_id)
+    train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
+    eval_dl = DataLoader(eval_ds, batch_size=per_process, shuffle=False, collate_fn=fn) if eval_ds else None
+    return train_dl, eval_dl
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: Config) -> Path:
+    """Train heads per `cfg`; returns the output directory holding the final heads."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.output_dir)
+    accelerator = _setup_accelerator(cfg)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    set_seed(cfg.train.seed)
+
+    # -- target, data, heads -------------------------------------------------------------------------
+    tokenizer = load_tokenizer(cfg.target)
+    with accelerator.main_process_first():  # the datasets cache is written once, then reused
+        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)  # data errors surface before the model loads
+    accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
+                      f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
+    target = load_model(cfg.target, accelerator.device)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    heads = _setup_heads(cfg, target, train_ds)
+    n_params = sum(p.numel() for p in heads.parameters())
+    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
+                      f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
+
+    objective = HeadsObjective(heads, cfg.loss)
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                  weight_decay=cfg.train.weight_decay)
+    train_dl, eval_dl = _setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
+    # prepare() shards batches across processes (padded to equal length): batches per process per epoch
+    steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        warmup_cosine, warmup_steps=cfg.train.warmup_steps, total_steps=total_steps,
+        min_lr_ratio=cfg.train.min_lr_ratio))
+    objective, optimizer, train_dl, scheduler = accelerator.prepare(objective, optimizer, train_dl, scheduler)
+    if eval_dl is not None:
+        eval_dl = accelerator.prepare(eval_dl)
+    _setup_tracking(accelerator, cfg)
+
+    # -- resume ----------------------------------------------------------------------------------------
+    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0}
+    ckpt = None if cfg.resume == "none" else latest_checkpoint(out) if cfg.resume == "auto" else Path(cfg.resume)
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))  # heads, optimizer, scheduler, sampler, RNG
+        position = json.loads((ckpt / TRAINER_STATE).read_text())
+        accelerator.print(f"resumed from {ckpt} at step {position['step']} "
+                          f"(epoch {position['epoch']}, batch {position['batch_in_epoch']})")
+
+    # -- loop ------------------------------------------------------------------------------------------
+    unwrapped = accelerator.unwrap_model(objective).heads
+    K = cfg.heads.num_heads
+    stats = torch.zeros(K, len(STATS), device=accelerator.device)  # summed per-head stats since the last log
+    loss_sum = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), device=accelerator.device, dtype=torch.long)
+    micro_steps = 0
+    grad_norm = torch.zeros((), device=accelerator.device)
+    bar = tqdm(total=total_steps, initial=position["step"], disable=not accelerator.is_local_main_process,
+               desc="train", dynamic_ncols=True)
+    t_log = time.perf_counter()
+    objective.train()
+    with StopRequest() as stop:
+        while position["step"] < total_steps and not stop.requested:
+            train_dl.set_epoch(position["epoch"])
+            skip = position["batch_in_epoch"]
+            batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
+            for batch in batches:
+                with accelerator.accumulate(objective):
+                    ids, mask = batch["input_ids"], batch["attention_mask"]
+                    h = target_hidden(target, ids, mask)  # [B, T, d], no grad
+                    loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(objective.parameters(),
+                                                                cfg.train.max_grad_norm or float("inf"))
+                    optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
+                    optimizer.zero_grad(set_to_none=True)
+                position["batch_in_epoch"] += 1
+                stats += batch_stats.detach()
+                loss_sum += loss.detach()
+                tokens += mask.sum()
+                micro_steps += 1
+                if not accelerator.sync_gradients:
+                    continue
+
+                # -- one optimizer step done ----------------------------------------------------------
+                scheduler.step()
+                position["step"] += 1
+                step = position["step"]
+                bar.update(1)
+                last = step >= total_steps
+                if step % cfg.train.log_every == 0 or last:
+                    # the only host sync of the step: reduce on device, then one transfer
+                    g_stats = accelerator.reduce(stats, "sum")
+                    g_loss = accelerator.reduce(loss_sum, "sum") / (micro_steps * accelerator.num_processes)
+                    g_tokens = accelerator.reduce(tokens, "sum")
+                    now = time.perf_counter()
+                    position["tokens"] += int(g_tokens)
+                    row = {f"train/{k}": v for k, v in summarize(g_stats, cfg.loss).items()}
+                    row.update({"train/loss": float(g_loss), "train/lr": scheduler.get_last_lr()[0],
+                                "train/grad_norm": float(grad_norm), "train/tokens_per_s": int(g_tokens) / (now - t_log),
+                                "train/epoch": position["epoch"], "train/tokens": position["tokens"]})
+                    _log(accelerator, cfg, step, row)
+                    bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",
+                                    tok_s=f"{row['train/tokens_per_s']:.0f}")
+                    stats.zero_(), loss_sum.zero_(), tokens.zero_()
+                    micro_steps = 0
+                    t_log = time.perf_counter()
+                if eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
+                    metrics, _ = evaluate(unwrapped, target, eval_dl, cfg.loss, cfg.eval.max_batches, accelerator)
+                    _log(accelerator, cfg, step, {f"eval/{k}": v for k, v in metrics.items()})
+                    objective.train()
+                    t_log = time.perf_counter()
+                if accelerator.num_processes > 1:
+                    # every process must agree to stop at the same step (signals may arrive at different steps)
+                    flag = torch.tensor(float(stop.requested), device=accelerator.device)
+                    stop.requested = bool(accelerator.reduce(flag, "max") > 0)
+                if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
+                    save_checkpoint(accelerator, cfg, position)
+                if last or stop.requested:
+                    break
+            else:  # the epoch ran out
+                position["epoch"] += 1
+                position["batch_in_epoch"] = 0
+    bar.close()
+
+    if stop.requested:
+        accelerator.print(f"stopped at step {position['step']}; resume with resume=auto (the default)")
+        accelerator.end_training()
+        return out
+
+    # -- final heads, recipe and acceptance ----------------------------------------------------------------
+    split, batches = ("eval", eval_dl) if eval_dl is not None else ("train", train_dl)
+    if eval_dl is None:
+        accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
+    metrics, acceptance = evaluate(unwrapped, target, batches, cfg.loss, cfg.eval.max_batches, accelerator)
+    _log(accelerator, cfg, position["step"], {f"{split}/{k}": v for k, v in metrics.items()})
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(out, extra={"training": {"steps": position["step"], "tokens": position["tokens"],
+                                                           "recipe": RECIPE_NAME}})
+        (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        save_acceptance(out, acceptance, split)
+        accelerator.print(f"heads saved to {out} (expected tau of a chain: {acceptance['expected_tau']:.3f})")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if cfg.tracking.backend == "wandb" and accelerator.is_main_process and not os.environ.get("WANDB_API_KEY") \
+            and not os.environ.get("WANDB_MODE"):
+        runs = sorted((out / "wandb").glob("offline-run-*"))
+        if runs:
+            accelerator.print(f"wandb: to upload this run: wandb sync {runs[-1]}")
+    return out
+
+
+def _log(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:
+    """Send a row to the tracker and append it to metrics.jsonl (main process only)."""
+    accelerator.log(row, step=step)
+    if accelerator.is_main_process:
+        append_metrics(cfg.output_dir, {"step": step, **row})
