@@ -1,0 +1,377 @@
+"""Drafters: propose a tree of candidate continuations after the decided root token.
+
+One small interface, `Drafter.draft(ctx) -> Tree`, with three implementations:
+
+- `HeadsDrafter`: the trained draft heads (chained or parallel). Chained heads expand the tree depth by
+  depth, running head k once on the batch of frontier nodes (each reads its parent's state and token).
+- `NGramDrafter`: prompt lookup; match the last n tokens of the context earlier in the context and
+  propose what followed (several matches give several branches).
+- `BigramDrafter`: a table of each token's most likely successors built from a dataset with the
+  target's tokenizer (the classic draft-free baseline).
+
+Tree shapes: `static` (a fixed shape from static tree search over per-rank acceptance rates, or an
+explicit list of rank paths) and `dynamic` (EAGLE-2: expand by cumulative draft log-probability, keep
+the best nodes under the budget). The budget counts draft nodes; the root comes on top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau, select_dynamic_tree,
+                            static_tree_search, topology_from_paths, tree_from_parents)
+
+TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees at the start of a step.
+
+    root: [1] long on the target's device, the decided next token (tree depth 0).
+    hidden: [d] the target's final hidden state h_t at the last committed position (root's predecessor).
+    tokens: the whole sequence on the host, prompt + generated, root included.
+    tree: "static" | "dynamic" | explicit rank paths. budget: max draft nodes (root excluded).
+    """
+
+    root: torch.Tensor
+    hidden: torch.Tensor
+    tokens: list[int]
+    tree: TreeSpec
+    budget: int
+
+
+class Drafter:
+    """Interface. `max_depth` bounds the tree depth (for context-length checks); `topk_accuracy` is the
+    prior for static tree search and the auto budget: [depth][rank] acceptance probabilities."""
+
+    max_depth: int = 0
+
+    def draft(self, ctx: DraftContext) -> Tree:
+        raise NotImplementedError
+
+    def topk_accuracy(self) -> list[list[float]]:
+        return default_topk_accuracy(self.max_depth)
+
+    def expected_tau(self, budget: int) -> float:
+        """Expected tokens per step of the best static tree with `budget` draft nodes."""
+        acc = self.topk_accuracy()
+        return expected_tau(static_tree_search(acc, budget), acc)
+
+    def reset(self) -> None:
+        """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""
+
+
+def _validate_tree(tree: TreeSpec) -> None:
+    if isinstance(tree, str):
+        if tree not in ("static", "dynamic"):
+            raise ValueError(f"tree must be 'auto', 'static', 'dynamic' or a list of rank paths, got {tree!r}")
+
+
+class TreeDrafter(Drafter):
+    """Drafters that score top-k candidates per node (`propose`), so they can fill static and dynamic
+    trees with the same code. Subclasses implement `propose` and `root_state`."""
+
+    dynamic_topk: int = 8  # EAGLE-2: children per expanded node, and nodes expanded per depth
+    max_candidates: int = 1 << 30  # most candidates `propose` can rank per node
+
+    def __init__(self) -> None:
+        self._topologies: dict[Any, TreeTopology] = {}
+
+    def root_state(self, ctx: DraftContext) -> torch.Tensor | None:
+        """Per-node drafter state of the root ([1, d]), or None for stateless drafters."""
+        return None
+
+    def propose(self, k: int, tokens: torch.Tensor, states: torch.Tensor | None, num: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Candidates for the children of M nodes at depth k.
+
+        tokens: [M] the nodes' tokens; states: [M, d] their states (or None). Returns (candidate token
+        ids [M, num] best first, their draft log-probabilities [M, num], the children's state [M, d] or
+        None)."""
+        raise NotImplementedError
+
+    def topology(self, tree: TreeSpec, budget: int, device: torch.device) -> TreeTopology:
+        key = (tree if isinstance(tree, str) else tuple(map(tuple, tree)), budget, str(device))
+        if key not in self._topologies:
+            paths = static_tree_search(self.topk_accuracy(), budget) if tree == "static" else tree
+            self._topologies[key] = topology_from_paths(paths, device)
+        return self._topologies[key]
+
+    def draft(self, ctx: DraftContext) -> Tree:
+        _validate_tree(ctx.tree)
+        if ctx.tree == "dynamic":
+            return self.draft_dynamic(ctx)
+        return self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
+
+    def draft_static(self, topo: TreeTopology, ctx: DraftContext) -> Tree:
+        """Fill a fixed shape: node (r_1..r_d) takes the r_d-th candidate proposed after its parent."""
+        if topo.max_depth > self.max_depth:
+            raise ValueError(f"tree is {topo.max_depth} deep but this drafter proposes at most {self.max_depth} "
+                             f"levels: shorten the tree paths")
+        tokens = ctx.root.new_zeros(topo.size)
+        tokens[0] = ctx.root[0]
+        s0 = self.root_state(ctx)
+        states = None if s0 is None else s0.new_zeros(topo.size, s0.shape[-1])
+        if states is not None:
+            states[0] = s0[0]
+        for k, level in enumerate(topo.levels):
+            cand, _, child_state = self.propose(k, tokens[level.parents],
+                                                None if states is None else states[level.parents], level.num_ranks)
+            tokens[level.nodes] = cand[level.slot, level.rank]
+            if child_state is not None:
+                states[level.nodes] = child_state[level.slot]
+        return topo.with_tokens(tokens)
+
+    def draft_dynamic(self, ctx: DraftContext) -> Tree:
+        """EAGLE-2: expand the `dynamic_topk` best frontier nodes per depth by their top-k children, scored
+        by cumulative draft log-probability; keep the best `budget` nodes of the pool."""
+        width = max(1, min(self.dynamic_topk, ctx.budget, self.max_candidates))
+        device = ctx.root.device
+        s0 = self.root_state(ctx)
+        pool_tokens, pool_parents = [ctx.root], [torch.zeros(1, dtype=torch.long, device=device)]
+        pool_depth, pool_scores = [torch.zeros(1, dtype=torch.long, device=device)], [torch.zeros(1, device=device)]
+        frontier = torch.zeros(1, dtype=torch.long, device=device)  # pool indices of the nodes to expand
+        f_tokens, f_states, f_scores = ctx.root, s0, torch.zeros(1, device=device)
+        offset = 1
+        for k in range(self.max_depth if ctx.budget > 0 else 0):
+            cand, logq, child_state = self.propose(k, f_tokens, f_states, width)  # [M, w]
+            m = cand.shape[0]
+            scores = (f_scores[:, None] + logq.float()).flatten()  # [M * w]
+            pool_tokens.append(cand.flatten())
+            pool_parents.append(frontier.repeat_interleave(width))
+            pool_depth.append(torch.full((m * width,), k + 1, dtype=torch.long, device=device))
+            pool_scores.append(scores)
+            best = torch.topk(scores, min(width, m * width)).indices  # next frontier: best children overall
+            frontier = best + offset
+            f_tokens, f_scores = cand.flatten()[best], scores[best]
+            f_states = None if child_state is None else child_state.repeat_interleave(width, 0)[best]
+            offset += m * width
+        return select_dynamic_tree(torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_depth),
+                                   torch.cat(pool_scores), ctx.budget, len(pool_tokens) - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Heads
+
+
+class HeadsDrafter(TreeDrafter):
+    """Draft with trained heads (`medusa_train.heads.DraftHeads`) on the target's own embedding / LM head.
+
+    topk_accuracy: [head][rank] acceptance rates measured by the trainer (`acceptance.json`); None uses
+    a default prior. It shapes static trees and the auto budget.
+    """
+
+    def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
+        super().__init__()
+        weight = target.get_output_embeddings().weight
+        self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.max_depth = heads.spec.num_heads
+        self.chained = heads.spec.kind == "chained"
+        self._topk_accuracy = topk_accuracy
+
+    @classmethod
+    def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:
+        """Load heads (refused with HeadsMismatchError if trained for another target) and, if present,
+        the trainer's `acceptance.json`."""
+        from medusa_train.heads import DraftHeads
+
+        heads = DraftHeads.from_pretrained(heads_dir, target=target)
+        return cls(heads, target, load_topk_accuracy(heads_dir))
+
+    def topk_accuracy(self) -> list[list[float]]:
+        return self._topk_accuracy or default_topk_accuracy(self.max_depth)
+
+    def root_state(self, ctx: DraftContext) -> torch.Tensor:
+        return self.heads.start(ctx.hidden[None].to(self.lm_head.weight.dtype))  # s_0: [1, d]
+
+    def propose(self, k, tokens, states, num):
+        if self.chained:
+            s = self.heads.step(k, states, tokens, self.embed)  # [M, d]: s_{k+1}, read token at depth k
+        else:
+            s = self.heads.step(k, states[:1], None)  # parallel heads read h_t only: one row serves all
+        logq = torch.log_softmax(self.heads.logits(k, s, self.lm_head).float(), dim=-1)
+        top = torch.topk(logq, num, dim=-1)
+        cand = self.heads.to_target_ids(top.indices)
+        if not self.chained:
+            m = tokens.shape[0]
+            return cand.expand(m, -1), top.values.expand(m, -1), states
+        return cand, top.values, s
+
+
+def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:
+    """`acceptance.json`'s topk_accuracy ([head][rank]) if the trainer wrote one, else None."""
+    path = Path(heads_dir) / "acceptance.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    acc = raw.get("topk_accuracy")
+    if not (isinstance(acc, list) and acc and all(isinstance(row, list) and row for row in acc)):
+        raise ValueError(f"{path}: expected {{'topk_accuracy': [[p(rank 1), ...] per head], ...}}; "
+                         f"delete the file to use the default tree prior")
+    return [[float(x) for x in row] for row in acc]
+
+
+# ---------------------------------------------------------------------------------------------------
+# N-gram prompt lookup
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup: find the last `n` tokens (n = max_ngram..min_ngram) earlier in the context and
+    propose the tokens that followed, up to `max_depth` of them. Up to `branches` distinct continuations
+    (most recent match first) are merged into a tree of at most `budget` draft nodes."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 5, branches: int = 2,
+                 max_context: int = 4096):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram, self.max_depth = max_ngram, min_ngram, max_depth
+        self.branches, self.max_context = branches, max_context
+
+    def topk_accuracy(self) -> list[list[float]]:
+        return [[0.5 * 0.9**k, 0.1 * 0.9**k] for k in range(self.max_depth)]  # a rough prior for the budget
+
+    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+        """Distinct continuations of the most recent matches of the context's last n-gram."""
+        ctx = tokens[-self.max_context:]
+        found: list[list[int]] = []
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            tail = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):  # most recent first, never the tail itself
+                if ctx[start:start + n] == tail:
+                    cont = ctx[start + n:start + n + depth]
+                    if cont and cont not in found:
+                        found.append(cont)
+                        if len(found) >= self.branches:
+                            return found
+            if found:
+                return found
+        return found
+
+    def draft(self, ctx: DraftContext) -> Tree:
+        root = ctx.tokens[-1]
+        tokens, parents, depth = [root], [0], [0]
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for cont in self.continuations(ctx.tokens, self.max_depth):
+            node = 0
+            for tok in cont:
+                if (node, tok) not in children:
+                    if len(tokens) > ctx.budget:
+                        break
+                    children[(node, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    depth.append(depth[node] + 1)
+                node = children[(node, tok)]
+        # tokens were added branch by branch; sort nodes by depth (stable) so parents precede children
+        order = sorted(range(len(tokens)), key=lambda i: depth[i])
+        where = {old: new for new, old in enumerate(order)}
+        device = ctx.root.device
+        t = torch.tensor([tokens[i] for i in order], device=device)
+        par = torch.tensor([where[parents[i]] for i in order], device=device)
+        dep = torch.tensor([depth[i] for i in order], device=device)
+        return tree_from_parents(t, par, dep, max(depth))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bigram table
+
+
+class BigramDrafter(TreeDrafter):
+    """Each token's `top_k` most frequent successors in a corpus (a draft-free baseline).
+
+    table: [V, top_k] successor ids, best first; logq: [V, top_k] their log relative frequencies.
+    Tokens never seen as a predecessor fall back to the corpus' most frequent tokens.
+    """
+
+    def __init__(self, table: torch.Tensor, logq: torch.Tensor, max_depth: int = 4):
+        super().__init__()
+        if table.shape != logq.shape or table.dim() != 2:
+            raise ValueError(f"bigram table and logq must both be [V, top_k], got {tuple(table.shape)} and "
+                             f"{tuple(logq.shape)}")
+        self.table, self.logq, self.max_depth = table.long(), logq.float(), max_depth
+        self.max_candidates = table.shape[1]
+
+    @classmethod
+    def from_token_ids(cls, seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], vocab_size: int,
+                       top_k: int = 4, max_depth: int = 4) -> BigramDrafter:
+        """Count successor pairs over token sequences and keep each token's `top_k` best successors."""
+        prev, nxt = [], []
+        for seq in seqs:
+            s = torch.as_tensor(seq, dtype=torch.long).flatten()
+            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= vocab_size):
+                raise ValueError(f"token ids must lie in [0, {vocab_size}): is vocab_size the target's?")
+            prev.append(s[:-1])
+            nxt.append(s[1:])
+        prev_t = torch.cat(prev) if prev else torch.zeros(0, dtype=torch.long)
+        nxt_t = torch.cat(nxt) if nxt else torch.zeros(0, dtype=torch.long)
+        # unigram fallback: the most frequent tokens overall
+        uni = torch.bincount(nxt_t, minlength=vocab_size).float()
+        uni_top = torch.topk(uni + 1e-3 * torch.arange(vocab_size, 0, -1), top_k)  # ties: lower ids first
+        uni_logq = torch.log((uni_top.values / uni.sum().clamp_min(1)).clamp_min(1e-6))
+        table = uni_top.indices.repeat(vocab_size, 1)
+        logq = uni_logq.repeat(vocab_size, 1)
+        # pair counts, sparse: unique (prev, next) keys, sorted by prev then count descending
+        keys, counts = torch.unique(prev_t * vocab_size + nxt_t, return_counts=True)
+        if keys.numel():
+            p, n = keys // vocab_size, keys % vocab_size
+            order = torch.argsort(p * (counts.max() + 1) - counts, stable=True)
+            p, n, counts = p[order], n[order], counts[order]
+            first = torch.searchsorted(p, p)  # index of each prev's first pair
+            rank = torch.arange(p.numel()) - first
+            totals = torch.zeros(vocab_size).index_add_(0, p, counts.float())
+            keep = rank < top_k
+            table[p[keep], rank[keep]] = n[keep]
+            logq[p[keep], rank[keep]] = torch.log(counts[keep].float() / totals[p[keep]])
+            # a token with fewer than top_k successors keeps unigram fallbacks in its last slots (a repeated
+            # sibling is harmless: verification never accepts a token twice under one parent)
+        return cls(table, logq, max_depth)
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str], tokenizer, top_k: int = 4, max_depth: int = 4) -> BigramDrafter:
+        """Tokenize `texts` with the target's tokenizer and count successors."""
+        seqs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return cls.from_token_ids(seqs, len(tokenizer), top_k, max_depth)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the table as one safetensors file."""
+        from safetensors.torch import save_file
+
+        save_file({"table": self.table.cpu().contiguous(), "logq": self.logq.cpu().contiguous()}, str(path),
+                  metadata={"max_depth": str(self.max_depth)})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str | None = None) -> BigramDrafter:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            table, logq = f.get_tensor("table"), f.get_tensor("logq")
+        drafter = cls(table, logq, int(meta.get("max_depth", 4)))
+        return drafter.to(device) if device is not None else drafter
+
+    def to(self, device: torch.device | str) -> BigramDrafter:
+        self.table, self.logq = self.table.to(device), self.logq.to(device)
+        self._topologies.clear()
+        return self
+
+    def topk_accuracy(self) -> list[list[float]]:
+        return [[0.4 * 0.8**k * 0.4**r for r in range(self.table.shape[1])] for k in range(self.max_depth)]
+
+    def propose(self, k, tokens, states, num):
+        if self.table.device != tokens.device:
+            self.to(tokens.device)
+        if num > self.table.shape[1]:
+            raise ValueError(f"tree asks for rank {num - 1} but the bigram table keeps only "
+                             f"{self.table.shape[1]} successors per token")
+        return self.table[tokens, :num], self.logq[tokens, :num], None

@@ -1,0 +1,473 @@
+"""The decode loop (`SpeculativeGenerator`) and the `generate` CLI.
+
+One step, as a ladder of small functions: `prefill` (prompt -> cache, h_t, root) -> `speculative_step`
+(draft a tree -> `verify_tree` -> accept a path -> `compact_cache`) -> `generate` (steps until EOS or
+`max_new_tokens`, streaming and stats). The root of each tree is the target's own token, decided at the
+previous step (or at prefill), and is emitted as soon as it is decided.
+
+    python -m inference.generate --heads runs/x --prompt "def fib(n):" --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from inference.drafters import DraftContext, Drafter, HeadsDrafter, TreeSpec
+from inference.kv import cache_length, compact_cache, crop_cache, new_cache
+from inference.tree import Tree, tree_from_parents
+from inference.verify import (accept_greedy, accept_lossless, accept_typical, sample_token, target_forward,
+                              target_probs, verify_tree)
+
+Acceptance = Literal["exact", "typical"]
+AUTO_BUDGET_LENGTHS_CPU = (1, 2, 4, 8, 16, 32)
+AUTO_BUDGET_LENGTHS_GPU = (1, 2, 4, 8, 16, 32, 64, 96)
+AUTO_BUDGET_PREFIX = 128  # prefix length the verify timings are taken at
+
+
+class UnsupportedModelError(ValueError):
+    """The target cannot verify a tree through its ordinary forward (names the model_type and why)."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the requested new tokens do not fit the target's context."""
+
+
+@dataclass
+class GenerationStats:
+    """new_tokens: emitted tokens; steps: verify forwards; target_forwards: steps + the prefill;
+    tau: new tokens per target forward (plain decoding: 1.0); accept_lengths: tokens appended per step
+    (accepted drafts + the bonus token)."""
+
+    new_tokens: int = 0
+    steps: int = 0
+    target_forwards: int = 0
+    tau: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    tree: str = ""
+    tree_budget: int = 0
+
+    def line(self) -> str:
+        return (f"new_tokens={self.new_tokens} steps={self.steps} tau={self.tau:.2f} "
+                f"tokens/s={self.tokens_per_s:.1f} tree={self.tree} budget={self.tree_budget}")
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: torch.Tensor  # [new_tokens] the new tokens only, on the CPU
+    stats: GenerationStats
+
+
+@dataclass
+class DecodeState:
+    """Between steps: the cache holds the committed prefix; `root` ([1]) is decided but not yet in the
+    cache; `hidden` ([d]) is h_t at the last committed position; `tokens` is everything, root included."""
+
+    cache: Any
+    root: torch.Tensor
+    hidden: torch.Tensor
+    tokens: list[int]
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    acceptance: Acceptance = "exact"
+    generator: torch.Generator | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Architecture checks
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse targets that cannot verify a tree with a 4D mask, position ids and a croppable cache."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if getattr(model, "get_output_embeddings", None) is None or model.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{model_type}: the target needs an LM head; load it with "
+                                    f"AutoModelForCausalLM")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported; use a causal LM")
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedModelError(f"{model_type}: its recurrent state cannot be rolled back to an accepted "
+                                    f"tree path, so tree verification would be wrong")
+    attn = getattr(config, "_attn_implementation", None) or ""
+    if attn.startswith("flash_attention") or attn.startswith("paged"):
+        raise UnsupportedModelError(f"{model_type}: attn_implementation={attn!r} cannot take a custom 4D tree "
+                                    f"mask; load the target with attn_implementation='sdpa' (or 'eager')")
+
+
+def context_limit(model: nn.Module) -> int | None:
+    """Longest sequence the engine may build: max_position_embeddings, and the sliding window / attention
+    chunk if any layer uses one (the tree mask is passed as is, so windows are never applied)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limits = []
+    max_pos = getattr(text, "max_position_embeddings", None)
+    if max_pos:
+        limits.append(int(max_pos))
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        if "sliding_attention" in layer_types and getattr(text, "sliding_window", None):
+            limits.append(int(text.sliding_window))
+        if "chunked_attention" in layer_types and getattr(text, "attention_chunk_size", None):
+            limits.append(int(text.attention_chunk_size))
+    elif getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        limits.append(int(text.sliding_window))
+    return min(limits) if limits else None
+
+
+def check_tree_attention(model: nn.Module) -> None:
+    """Self-check at load: logits of a small tree forward equal, node for node, the model's own logits
+    of plain forwards along each branch (catches forwards that ignore the 4D mask or position ids, and
+    output layers that post-process logits)."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    weight = model.get_output_embeddings().weight
+    vocab, device = weight.shape[0], weight.device
+    prompt = (torch.arange(6, device=device) * 7 + 3) % vocab
+    r, a, b, c = ((torch.arange(4, device=device) * 11 + 5) % vocab).tolist()
+    tree = tree_from_parents(torch.tensor([r, a, b, c], device=device), torch.tensor([0, 0, 0, 1], device=device),
+                             torch.tensor([0, 1, 1, 2], device=device), 2)
+    with torch.inference_mode():
+        cache = new_cache()
+        target_forward(model, prompt[None], cache)
+        got, _ = verify_tree(model, cache, tree)  # [4, V]
+        branch_1 = torch.cat([prompt, torch.tensor([r, a, c], device=device)])[None]
+        branch_2 = torch.cat([prompt, torch.tensor([r, b], device=device)])[None]
+        want_1 = model(input_ids=branch_1).logits[0, -3:]  # nodes 0, 1, 3
+        want_2 = model(input_ids=branch_2).logits[0, -1:]  # node 2
+    want = torch.cat([want_1[:2], want_2, want_1[2:]]).float()
+    tol = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
+    err = (got.float() - want).abs().max().item()
+    if not err <= tol * (1 + want.abs().max().item()):
+        raise UnsupportedModelError(
+            f"{model_type}: tree verification self-check failed (logits off by {err:.3g}): its forward does not "
+            f"honour a custom 4D attention mask and position_ids, or post-processes its logits; this "
+            f"architecture is not supported")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The generator
+
+
+class SpeculativeGenerator:
+    """Generate with a frozen target and a drafter; greedy output equals the target's own greedy output.
+
+    `SpeculativeGenerator(target, tokenizer, drafter)` builds one from parts (any `Drafter`);
+    `SpeculativeGenerator.from_pretrained(heads_dir)` loads trained heads and their target.
+    """
+
+    def __init__(self, target: nn.Module, tokenizer=None, drafter: Drafter | None = None, self_check: bool = True):
+        if drafter is None:
+            raise ValueError("pass a drafter: HeadsDrafter, NGramDrafter or BigramDrafter")
+        check_supported(target)
+        self.target = target.eval()
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.device = target.get_output_embeddings().weight.device
+        self._verify_seconds: dict[int, float] | None = None  # tokens -> seconds, measured once
+        if self_check:
+            check_tree_attention(target)
+
+    @classmethod
+    def from_pretrained(cls, heads_dir: str | os.PathLike, target: str | os.PathLike | nn.Module | None = None,
+                        device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+                        tokenizer=None) -> SpeculativeGenerator:
+        """Load heads from `heads_dir` and the target: None = the model named in the heads' config, a path
+        or hub name, or an already loaded model. Heads trained for another target are refused
+        (HeadsMismatchError). `device` defaults to CUDA when available, `dtype` to bfloat16 on a GPU that
+        supports it, else float32."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from medusa_train.heads import load_spec
+
+        if isinstance(target, nn.Module):
+            model = target
+            name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+        else:
+            name = str(target) if target is not None else load_spec(heads_dir).target_name
+            if not name:
+                raise ValueError(f"{heads_dir}/config.json names no target model: pass target=PATH")
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if dtype is None:
+                dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+            elif isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(dev)
+        if tokenizer is None and name:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        return cls(model.eval(), tokenizer, HeadsDrafter.from_pretrained(heads_dir, model))
+
+    # -- input handling -------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | torch.Tensor | Sequence[int], chat: bool = False) -> torch.Tensor:
+        """Prompt -> input_ids [1, T] on the target's device. Strings are tokenized as is (the tokenizer's
+        own special tokens, e.g. BOS, included); chat=True wraps them in the chat template first."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: build the generator with one, or pass input_ids")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("chat=True but the tokenizer has no chat template; pass chat=False")
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+            input_ids = torch.tensor(ids, dtype=torch.long)[None]
+        else:
+            input_ids = torch.as_tensor(prompt, dtype=torch.long)
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"batch generation is not supported yet: got {input_ids.shape[0]} prompts "
+                                 f"(input_ids {tuple(input_ids.shape)}); call generate once per prompt")
+        if input_ids.shape[1] == 0:
+            raise ValueError("the prompt is empty: pass at least one token")
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids must lie in [0, {vocab}) (the target's vocabulary)")
+        return input_ids.to(self.device)
+
+    def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> set[int]:
+        """The stop tokens: the argument, else the target's generation config, else the tokenizer's."""
+        if eos_token_id is None:
+            gen_config = getattr(self.target, "generation_config", None)
+            eos_token_id = getattr(gen_config, "eos_token_id", None)
+            if eos_token_id is None and self.tokenizer is not None:
+                eos_token_id = self.tokenizer.eos_token_id
+        if eos_token_id is None:
+            return set()
+        return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+    # -- the ladder -----------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor, sampling: Sampling) -> DecodeState:
+        """Run the prompt, decide the first new token (the first tree's root)."""
+        cache = new_cache()
+        h = target_forward(self.target, input_ids, cache)[0, -1]  # [d], h at the prompt's last position
+        logits = self.target.get_output_embeddings()(h)  # [V]
+        root = self.next_token(logits, sampling).view(1)
+        return DecodeState(cache, root, h, input_ids[0].tolist() + root.tolist())
+
+    def next_token(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        if sampling.temperature == 0:
+            return logits.argmax(-1)
+        return sample_token(target_probs(logits, sampling.temperature, sampling.top_p), sampling.generator)
+
+    def accept(self, tree: Tree, logits: torch.Tensor, sampling: Sampling):
+        if sampling.temperature == 0:
+            return accept_greedy(tree, logits)
+        p = target_probs(logits, sampling.temperature, sampling.top_p)  # [N, V]
+        if sampling.acceptance == "typical":
+            return accept_typical(tree, p, sampling.generator)
+        return accept_lossless(tree, p, sampling.generator)
+
+    def speculative_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling) -> list[int]:
+        """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus)."""
+        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget))
+        prefix_len = cache_length(state.cache)
+        logits, h = verify_tree(self.target, state.cache, draft)  # [N, V], [N, d]
+        acc = self.accept(draft, logits, sampling)
+        n, new = acc.to_host(draft)  # the step's one host sync
+        compact_cache(state.cache, prefix_len, acc.path[:n])
+        state.root, state.hidden = acc.bonus.view(1), h[acc.best]
+        state.tokens.extend(new)
+        return new
+
+    def generate(self, prompt: str | torch.Tensor | Sequence[int], max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                 acceptance: Acceptance = "exact", tree: Literal["auto", "static", "dynamic"] | TreeSpec = "auto",
+                 tree_budget: Literal["auto"] | int = "auto", streamer=None, seed: int | None = None,
+                 chat: bool = False) -> GenerationOutput:
+        """Generate up to `max_new_tokens` new tokens (stopping right after an EOS token).
+
+        temperature 0 is greedy and reproduces the target's greedy output exactly. With temperature > 0,
+        `acceptance="exact"` samples exactly from the target's (temperature, top_p) distribution;
+        `"typical"` is Medusa's typical acceptance: more tokens per step, but lossy. `tree`: "auto"
+        (= "static"), "static" (shape from static tree search), "dynamic" (EAGLE-2 style), or a list of
+        rank paths; `tree_budget`: draft nodes per step (root excluded) or "auto" (tuned on this machine).
+        `streamer` follows the transformers protocol (`put` the prompt, then new tokens; `end`).
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
+        tree = "static" if tree == "auto" else tree
+        if isinstance(tree, str) and tree not in ("static", "dynamic"):
+            raise ValueError(f"tree must be 'auto', 'static', 'dynamic' or a list of rank paths, got {tree!r}")
+        if tree_budget == "auto":
+            budget = self.auto_tree_budget()
+        elif isinstance(tree_budget, int) and tree_budget >= 0:
+            budget = tree_budget
+        else:
+            raise ValueError(f"tree_budget must be 'auto' or an int >= 0 (draft nodes per step), got {tree_budget!r}")
+        input_ids = self.encode(prompt, chat)
+        self.check_context(input_ids.shape[1], max_new_tokens)
+        eos = self.eos_ids(eos_token_id)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        sampling = Sampling(temperature, top_p, acceptance, generator)
+        stats = GenerationStats(tree=tree if isinstance(tree, str) else "paths", tree_budget=budget)
+        out: list[int] = []
+
+        def emit(tokens: list[int]) -> bool:
+            """Append up to the limit / first EOS; True when generation is done."""
+            done = False
+            taken = []
+            for tok in tokens:
+                taken.append(tok)
+                if tok in eos or len(out) + len(taken) >= max_new_tokens:
+                    done = True
+                    break
+            out.extend(taken)
+            if streamer is not None and taken:
+                streamer.put(torch.tensor(taken))
+            return done
+
+        self.drafter.reset()
+        start = time.perf_counter()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        with torch.inference_mode():
+            if max_new_tokens > 0:
+                state = self.prefill(input_ids, sampling)
+                stats.target_forwards = 1
+                done = emit(state.tokens[-1:])
+                while not done:
+                    new = self.speculative_step(state, tree, budget, sampling)
+                    stats.steps += 1
+                    stats.accept_lengths.append(len(new))
+                    done = emit(new)
+        if streamer is not None:
+            streamer.end()
+        stats.seconds = time.perf_counter() - start
+        stats.target_forwards = stats.steps + (1 if max_new_tokens > 0 else 0)
+        stats.new_tokens = len(out)
+        stats.tau = len(out) / max(stats.target_forwards, 1)
+        stats.tokens_per_s = len(out) / max(stats.seconds, 1e-9)
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerationOutput(text, torch.tensor(out, dtype=torch.long), stats)
+
+    # -- limits and tuning ----------------------------------------------------------------------------
+
+    def check_context(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Error before generating when prompt + new tokens + tree depth exceed the target's context."""
+        limit = context_limit(self.target)
+        need = prompt_len + max_new_tokens + self.drafter.max_depth
+        if limit is not None and max_new_tokens > 0 and need > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + tree depth "
+                f"({self.drafter.max_depth}) = {need} exceeds the target's context of {limit} tokens; "
+                f"shorten the prompt or lower max_new_tokens to {max(limit - prompt_len - self.drafter.max_depth, 0)}")
+
+    def verify_seconds(self) -> dict[int, float]:
+        """Seconds per target forward of L tokens after a prefix, for a few L (measured once, cached)."""
+        if self._verify_seconds is None:
+            lengths = AUTO_BUDGET_LENGTHS_GPU if self.device.type == "cuda" else AUTO_BUDGET_LENGTHS_CPU
+            vocab = self.target.get_output_embeddings().weight.shape[0]
+            limit = context_limit(self.target) or 1 << 30
+            prefix_len = max(1, min(AUTO_BUDGET_PREFIX, limit - max(lengths)))
+            ids = (torch.arange(prefix_len + max(lengths), device=self.device) * 31 + 7) % vocab
+            times = {}
+            with torch.inference_mode():
+                cache = new_cache()
+                target_forward(self.target, ids[None, :prefix_len], cache)
+                for n in lengths:
+                    chain = tree_from_parents(ids[prefix_len:prefix_len + n], (torch.arange(n, device=self.device)
+                                              - 1).clamp_min(0), torch.arange(n, device=self.device), n - 1)
+                    samples = []
+                    for _ in range(4):  # the first run warms up
+                        self._sync()
+                        t0 = time.perf_counter()
+                        verify_tree(self.target, cache, chain)
+                        self._sync()
+                        samples.append(time.perf_counter() - t0)
+                        crop_cache(cache, prefix_len)
+                    times[n] = sorted(samples[1:])[1]  # median of three
+            self._verify_seconds = times
+        return self._verify_seconds
+
+    def auto_tree_budget(self) -> int:
+        """The draft-node budget maximising expected tau / verify time on this machine (verify time
+        interpolated between the measured lengths; expected tau from the drafter's static tree prior)."""
+        times = self.verify_seconds()
+        lengths = sorted(times)
+        best, best_rate = 0, 0.0
+        for budget in range(0, max(lengths)):
+            n = budget + 1
+            hi = next(length for length in lengths if length >= n)
+            lo = max((length for length in lengths if length <= n), default=hi)
+            t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
+            rate = self.drafter.expected_tau(budget) / t
+            if rate > best_rate:
+                best, best_rate = budget, rate
+        return best
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inference.generate",
+                                     description="Generate with trained draft heads (greedy output = the target's).")
+    parser.add_argument("--heads", required=True, help="heads directory (config.json + model.safetensors)")
+    parser.add_argument("--target", default=None, help="target model path or name (default: the heads' config)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--acceptance", choices=("exact", "typical"), default="exact")
+    parser.add_argument("--tree", choices=("auto", "static", "dynamic"), default="auto")
+    parser.add_argument("--tree-budget", default="auto", help="draft nodes per step, or 'auto'")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    args = parser.parse_args(argv)
+    budget = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
+    try:
+        gen = SpeculativeGenerator.from_pretrained(args.heads, target=args.target, device=args.device)
+        streamer = None
+        if args.stream:
+            from transformers import TextStreamer
+
+            streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, acceptance=args.acceptance, tree=args.tree, tree_budget=budget,
+                           streamer=streamer, seed=args.seed, chat=args.chat)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not args.stream:
+        print(out.text)
+    print(out.stats.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The one module that touches the KV cache.
+
+The engine uses a plain `transformers.DynamicCache` (full-attention layers, tensors
+`[B, kv_heads, T, head_dim]`). After a verify forward the cache holds the committed prefix followed by
+every tree node; `compact_cache` moves the accepted path's entries right after the prefix and drops the
+rest, so the cache again equals the cache of plain decoding over the committed tokens.
+These calls change between transformers versions; keep them here.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache of full-attention layers (no sliding-window eviction: the engine checks the window
+    is never exceeded, because the tree mask is passed to the model as is)."""
+    return DynamicCache()
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Number of positions held (the committed prefix length between steps)."""
+    return cache.get_seq_length()
+
+
+def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [B, kv_heads, T, head_dim] (read-only use: tests and checks)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Drop every entry at position >= length."""
+    extra = cache_length(cache) - length
+    if extra > 0:  # crop(0) would be a no-op anyway, but crop(-0) == crop(0) reads as a length on old versions
+        cache.crop(-extra)
+
+
+def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
+    """Keep the accepted tree nodes' entries, in order, right after the prefix; drop the other nodes.
+
+    keep: [n] long, indices of the accepted nodes within the tree (ascending, keep[0] = 0: the root).
+    Entries for tree node i sit at position prefix_len + i.
+    """
+    n = keep.shape[0]
+    src = keep + prefix_len  # [n]
+    for layer in cache.layers:
+        # index_select copies first, so the overlapping in-place write below is safe; since keep[j] >= j
+        # this only moves entries towards the prefix.
+        layer.keys[..., prefix_len:prefix_len + n, :] = layer.keys.index_select(-2, src)
+        layer.values[..., prefix_len:prefix_len + n, :] = layer.values.index_select(-2, src)
+    crop_cache(cache, prefix_len + n)

@@ -1,0 +1,226 @@
+"""Draft trees: topology, the tree attention mask, position ids, static tree search, dynamic selection.
+
+A tree holds N nodes in topological order (every parent before its children, so `parents[i] < i`), and
+within a depth in order of preference. Node 0 is the root: the target's next token, already decided; a
+node at depth d proposes token x_{t+1+d}. The verify forward sees node i at position `prefix_len +
+depth[i]`, attending to the committed prefix and to its own ancestors (itself included).
+
+Static trees are described, as in Medusa, by *rank paths*: the path `(0, 2)` is the node reached by
+taking the top-1 candidate at depth 1 and then the top-3 candidate (rank 2) of its own proposals at
+depth 2. The root is the empty path `()`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Path = tuple[int, ...]
+
+# p(target token == r-th candidate of head k | the path so far is right), used when the heads directory
+# has no acceptance.json: roughly what a freshly trained 1-layer head on a small model reaches.
+DEFAULT_TOP1 = 0.6
+DEFAULT_HEAD_DECAY = 0.8
+DEFAULT_RANK_DECAY = 0.3
+
+
+@dataclass
+class Tree:
+    """One step's draft tree (all tensors on the target's device).
+
+    tokens: [N] long, token id of each node (node 0 is the root).
+    parents: [N] long, parent index (the root points to itself, 0).
+    depth: [N] long, 0 for the root.
+    ancestors: [N, N] bool, ancestors[i, j] = node j is node i or one of its ancestors.
+    max_depth: host int, the deepest node's depth.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    max_depth: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass
+class Level:
+    """The nodes of one depth of a static topology, grouped by the parent that proposes them.
+
+    parents: [M] the distinct parent nodes (depth d-1) that have children at depth d.
+    nodes: [C] the child nodes at depth d; slot: [C] index into `parents`; rank: [C] candidate rank.
+    """
+
+    parents: torch.Tensor
+    nodes: torch.Tensor
+    slot: torch.Tensor
+    rank: torch.Tensor
+    num_ranks: int
+
+
+@dataclass
+class TreeTopology:
+    """A static tree shape, built once from rank paths and reused every step."""
+
+    paths: list[Path]
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    levels: list[Level]
+
+    @property
+    def size(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.levels)
+
+    def with_tokens(self, tokens: torch.Tensor) -> Tree:
+        return Tree(tokens, self.parents, self.depth, self.ancestors, self.max_depth)
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N, N] bool, row i marks node i and all its ancestors. `parents[0]` must be 0 (the root)."""
+    n = parents.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    anc = eye
+    for _ in range(max_depth):  # each pass climbs one more level
+        anc = eye | anc[parents]
+    return anc
+
+
+def tree_attention_mask(ancestors: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N, prefix_len + N] additive mask: 0 where a node may attend (prefix, ancestors, itself),
+    the dtype's minimum elsewhere."""
+    n = ancestors.shape[0]
+    neg = torch.finfo(dtype).min
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=ancestors.device)
+    mask[:, prefix_len:].masked_fill_(~ancestors, neg)
+    return mask[None, None]
+
+
+def tree_position_ids(depth: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """[1, N] position of every node: prefix_len + depth."""
+    return (depth + prefix_len)[None]
+
+
+def complete_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
+    """Validate rank paths, add missing prefixes and the root, and sort them into tree order
+    (by depth, then by rank path)."""
+    out: set[Path] = {()}
+    for p in paths:
+        path = tuple(p)
+        if not all(isinstance(r, int) and r >= 0 for r in path):
+            raise ValueError(f"tree paths are tuples of candidate ranks >= 0 (e.g. [(0,), (1,), (0, 0)]), got {p!r}")
+        for d in range(1, len(path) + 1):
+            out.add(path[:d])
+    return sorted(out, key=lambda p: (len(p), p))
+
+
+def topology_from_paths(paths: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> TreeTopology:
+    """Build the static tree (parents, depths, ancestors, per-depth levels) for a list of rank paths."""
+    ordered = complete_paths(paths)
+    index = {p: i for i, p in enumerate(ordered)}
+    parents = [0] + [index[p[:-1]] for p in ordered[1:]]
+    depth = [len(p) for p in ordered]
+    max_depth = max(depth)
+    levels = []
+    for d in range(1, max_depth + 1):
+        nodes = [i for i, p in enumerate(ordered) if len(p) == d]
+        level_parents = sorted({parents[i] for i in nodes})
+        slot_of = {p: s for s, p in enumerate(level_parents)}
+        ranks = [ordered[i][-1] for i in nodes]
+        levels.append(Level(
+            parents=torch.tensor(level_parents, device=device),
+            nodes=torch.tensor(nodes, device=device),
+            slot=torch.tensor([slot_of[parents[i]] for i in nodes], device=device),
+            rank=torch.tensor(ranks, device=device),
+            num_ranks=max(ranks) + 1,
+        ))
+    parents_t = torch.tensor(parents, device=device)
+    return TreeTopology(ordered, parents_t, torch.tensor(depth, device=device),
+                        ancestor_matrix(parents_t, max_depth), levels)
+
+
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, max_depth: int) -> Tree:
+    """A tree from explicit per-node arrays (nodes must be in topological order)."""
+    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Static tree search (Medusa): grow the tree greedily by expected accepted length under a node budget
+
+
+def default_topk_accuracy(num_heads: int, num_ranks: int = 10) -> list[list[float]]:
+    """A prior for p(target token == head k's r-th candidate | path right) when none was measured."""
+    return [[DEFAULT_TOP1 * DEFAULT_HEAD_DECAY**k * DEFAULT_RANK_DECAY**r for r in range(num_ranks)]
+            for k in range(num_heads)]
+
+
+def static_tree_search(topk_accuracy: Sequence[Sequence[float]], budget: int) -> list[Path]:
+    """The `budget` draft nodes (root excluded) that maximise the expected accepted length.
+
+    A node with rank path (r_1..r_d) is accepted with probability prod_k acc[k][r_k] (head k's
+    candidates are right independently of rank given the path so far is right). That product only
+    shrinks along a path, so taking nodes best-first keeps the set closed under prefixes, and the
+    greedy choice is optimal for this objective.
+    """
+    if budget < 0:
+        raise ValueError(f"tree budget must be >= 0 draft nodes, got {budget}")
+    acc = [list(row) for row in topk_accuracy]
+    chosen: list[Path] = []
+    heap: list[tuple[float, Path]] = []
+
+    def push_children(path: Path, value: float) -> None:
+        k = len(path)
+        if k < len(acc):
+            for r, a in enumerate(acc[k]):
+                heapq.heappush(heap, (-value * a, path + (r,)))
+
+    push_children((), 1.0)
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        push_children(path, -neg)
+    return chosen
+
+
+def expected_tau(paths: Sequence[Sequence[int]], topk_accuracy: Sequence[Sequence[float]]) -> float:
+    """Expected tokens per step of a static tree: 1 (the bonus) + sum over nodes of p(node accepted)."""
+    total = 1.0
+    for path in complete_paths(paths)[1:]:
+        prob = 1.0
+        for k, r in enumerate(path):
+            row = topk_accuracy[k] if k < len(topk_accuracy) else []
+            prob *= row[r] if r < len(row) else 0.0
+        total += prob
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dynamic tree (EAGLE-2): keep the best nodes by cumulative draft log-probability
+
+
+def select_dynamic_tree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor,
+                        budget: int, max_depth: int) -> Tree:
+    """Keep the root and the `budget` best candidates of an expanded pool.
+
+    tokens, parents, depth, scores: [P] over the pool in topological order, node 0 the root; scores are
+    cumulative draft log-probabilities (never larger than the parent's), so the best nodes form a tree.
+    A tiny depth penalty makes a parent rank strictly above its children even when log q == 0.
+    """
+    pool = tokens.shape[0]
+    budget = min(budget, pool - 1)
+    key = scores[1:].float() - 1e-4 * depth[1:].float()
+    picked = torch.topk(key, budget).indices + 1 if budget > 0 else key.new_zeros(0, dtype=torch.long)
+    keep = torch.cat([picked.new_zeros(1), torch.sort(picked).values])  # [budget + 1], topological order
+    new_index = torch.zeros(pool, dtype=torch.long, device=tokens.device)
+    new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
+    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth)
