@@ -1,0 +1,409 @@
+"""Self-distillation: the target's own replies to a pool of prompts, as chat JSONL for training heads.
+
+Heads learn best from text the target itself would write (the draft is accepted exactly when it guesses
+the target's next token), so the training set is the target's greedy (or sampled) reply to prompts like
+the ones users send. Each output row is
+
+    {"id": "...", "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": REPLY}],
+     "finish": "stop" | "length"}
+
+which `data.dataset` reads as chat (supervised on the reply only).
+
+    python -m medusa_train.distill recipes/smollm2-135m.yaml target.model=$(python -m medusa_train.prepare) \\
+        --prompts default --out runs/distill/default.jsonl --max-new-tokens 256
+    accelerate launch -m medusa_train.distill RECIPE --prompts data/sharegpt.json --out runs/sg.jsonl \\
+        --exclude mt_bench_question.jsonl
+
+- Prompts: `default` (the project's own offline pool, `medusa_train.prompts`), or any json/jsonl/parquet
+  file, directory, glob or hub dataset whose rows hold a prompt/question/instruction, ShareGPT
+  conversations, messages or MT-Bench turns (the first user turn is the prompt).
+- `--exclude FILE` drops every prompt that appears in FILE (all its user turns), so benchmark prompts
+  never leak into training.
+- Batched with left padding; prompts are taken in `--order` (`shortest` packs similar lengths together).
+- Resumable: rows are appended and flushed after every batch; a rerun skips ids already written.
+- Distributed through Accelerate: each process takes every world_size-th prompt and appends to its own
+  `FILE.rankN` part; the main process merges the parts into FILE at the end (and on any later rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+import torch
+
+from .config import ConfigError, DataConfig, load_config
+
+Order = Literal["file", "shortest", "longest"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt pools
+
+
+def _row_id(row: dict, index: int, prefix: str) -> str:
+    for key in ("id", "question_id", "uid", "prompt_id"):
+        if row.get(key) is not None and str(row[key]).strip():
+            return str(row[key])
+    return f"{prefix}-{index}"
+
+
+def _user_turns(row: dict) -> list[str]:
+    """Every user turn of a row (MT-Bench `turns`, a conversation's user messages, or its prompt)."""
+    from .data import prompt_of, rows_to_messages
+
+    if isinstance(row.get("turns"), list):
+        return [t for t in row["turns"] if isinstance(t, str) and t.strip()]
+    try:
+        msgs = rows_to_messages(row) or []
+    except ConfigError:
+        msgs = []
+    turns = [m["content"] for m in msgs if m["role"] == "user" and m["content"].strip()]
+    if not turns and (p := prompt_of(row)):
+        turns = [p]
+    return turns
+
+
+def _load_rows(source: str) -> list[dict]:
+    from .data import load_raw
+
+    return list(load_raw(DataConfig(dataset=source)))
+
+
+def load_prompts(source: str) -> list[Prompt]:
+    """The pool named by `source`: `default` (the offline pool) or a dataset; first user turns, non-blank,
+    first occurrence of each distinct text. Ids come from the row (`id`, `question_id`, `uid`) or its index."""
+    if source == "default":
+        from .prompts import default_prompts
+
+        return [Prompt(i, t) for i, t in default_prompts("train")]
+    from .data import prompt_of
+
+    rows = _load_rows(source)
+    prefix = Path(source).stem if Path(source).exists() else source.replace("/", "_")
+    seen: set[str] = set()
+    out = []
+    for i, row in enumerate(rows):
+        text = prompt_of(row)
+        if text is None or text in seen:
+            continue
+        seen.add(text)
+        out.append(Prompt(_row_id(row, i, prefix), text))
+    if not out:
+        raise ConfigError(f"--prompts {source}: no row holds a prompt (looked for messages, conversations, "
+                          "prompt/question/instruction and turns columns)")
+    return out
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def exclude_prompts(prompts: list[Prompt], exclude_files: Iterable[str], min_contained: int = 40) -> list[Prompt]:
+    """Drop prompts equal (up to case and whitespace) to any user turn in `exclude_files`, or containing
+    one of at least `min_contained` characters (a benchmark question pasted into a longer prompt)."""
+    banned: set[str] = set()
+    for f in exclude_files:
+        for row in _load_rows(f):
+            banned.update(_normalise(t) for t in _user_turns(row))
+    long_banned = [b for b in banned if len(b) >= min_contained]
+    keep = []
+    for p in prompts:
+        n = _normalise(p.text)
+        if n in banned or any(b in n for b in long_banned):
+            continue
+        keep.append(p)
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output file: append-only JSONL, resumable
+
+
+def _part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.rank{rank}")
+
+
+def read_done_ids(out: Path) -> set[str]:
+    """Ids already written to `out` or to any of its per-rank parts (a torn last line is ignored)."""
+    done: set[str] = set()
+    for f in [out, *sorted(out.parent.glob(f"{out.name}.rank*"))]:
+        if not f.is_file():
+            continue
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a crash: that prompt is simply redone
+    return done
+
+
+def merge_parts(out: Path) -> int:
+    """Append every complete row of `out`'s per-rank parts to `out` (skipping ids it has), delete the parts.
+    Returns the number of rows appended."""
+    have = _ids_in(out)
+    added = 0
+    with out.open("a", encoding="utf-8") as f:
+        for part in sorted(out.parent.glob(f"{out.name}.rank*")):
+            for line in part.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if str(row.get("id")) in have:
+                    continue
+                have.add(str(row["id"]))
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                added += 1
+        f.flush()
+        os.fsync(f.fileno())
+    for part in out.parent.glob(f"{out.name}.rank*"):
+        part.unlink()
+    return added
+
+
+def _ids_in(path: Path) -> set[str]:
+    ids: set[str] = set()
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a last line that a crash left without its newline, so appended rows start on a fresh line."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation
+
+
+def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt as a single user turn through the chat template, with the assistant header appended."""
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        out.append(list(ids))
+    return out
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+@torch.inference_mode()
+def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[str, str, int]]:
+    """One batched `generate` over left-padded prompts. Returns (reply text, finish, new tokens) per prompt:
+    the reply is cut at the first end-of-turn token (`finish="stop"`), else `finish="length"`."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = _eos_ids(model, tokenizer)
+    width = max(len(p) for p in prompt_ids)
+    device = model.device
+    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [B, T], padded on the left
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention_mask[i, width - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
+    new = seqs[:, width:].tolist()  # one host transfer per batch
+    out = []
+    for row in new:
+        stop = next((j for j, t in enumerate(row) if t in eos), None)
+        tokens = row if stop is None else row[:stop]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        out.append((text, "length" if stop is None else "stop", len(tokens)))
+    return out
+
+
+def _order(prompts: list[Prompt], lengths: list[int], order: Order) -> list[int]:
+    idx = list(range(len(prompts)))
+    if order == "shortest":
+        idx.sort(key=lambda i: lengths[i])
+    elif order == "longest":
+        idx.sort(key=lambda i: -lengths[i])
+    return idx
+
+
+def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int = 256,
+            temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, limit: int = 0,
+            order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
+            world_size: int = 1, progress: bool = True) -> dict[str, int]:
+    """Write the target's replies to `prompts` into `out` (JSONL), skipping ids already there.
+
+    Prompts longer than `max_prompt_tokens` are skipped; `order` then `limit` pick which prompts form the
+    job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
+    prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
+    Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    ids = render_prompts(tokenizer, prompts)
+    fits = [i for i in range(len(prompts)) if len(ids[i]) <= max_prompt_tokens]
+    too_long = len(prompts) - len(fits)
+    kept = [prompts[i] for i in fits]
+    kept_ids = [ids[i] for i in fits]
+    job = _order(kept, [len(x) for x in kept_ids], order)
+    if limit > 0:
+        job = job[:limit]
+    done = read_done_ids(out)
+    # shard the job before dropping finished ids, so every process sees the same split whenever it reads
+    todo = [i for i in job[rank::world_size] if kept[i].id not in done]
+    target = out if world_size == 1 else _part_path(out, rank)
+    _repair_tail(target)
+    written = 0
+    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
+               dynamic_ncols=True)
+    with target.open("a", encoding="utf-8") as f:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            if temperature > 0:  # reproducible sampling regardless of where a resumed run starts
+                torch.manual_seed(seed + hash_id(kept[batch[0]].id))
+            replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
+                                       temperature, top_p)
+            for i, (text, finish, n_new) in zip(batch, replies):
+                row = {"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
+                                                      {"role": "assistant", "content": text}],
+                       "finish": finish}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                written += 1
+            f.flush()  # a crash loses at most the batch in flight
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(rows=len(done) + written * world_size)
+    bar.close()
+    return {"job": len(job), "done_before": len([i for i in job if kept[i].id in done]), "written": written,
+            "too_long": too_long}
+
+
+def hash_id(text: str) -> int:
+    """A stable (process-independent) small hash of an id, for seeding."""
+    h = 0
+    for ch in text:
+        h = (h * 131 + ord(ch)) % 1_000_003
+    return h
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m medusa_train.distill",
+                                description="Write the target's own replies to a prompt pool as chat JSONL.")
+    p.add_argument("recipe", help="recipe YAML; only its target section is used")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.model=/path/to/model")
+    p.add_argument("--prompts", required=True, help="`default` (offline pool) or a json/jsonl/parquet file, "
+                                                    "directory, glob or hub dataset with prompts")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; a rerun skips finished ids)")
+    p.add_argument("--exclude", action="append", default=[], help="drop prompts found in this file "
+                                                                   "(repeatable), e.g. the benchmark's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call, per process")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (after --order); 0: all")
+    p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (0: all), got {args.limit}")
+    for f in args.exclude:
+        if not Path(f).exists():
+            raise ConfigError(f"--exclude: file not found: {f}")
+    if args.prompts != "default" and not Path(args.prompts).exists() and (
+            args.prompts.endswith((".json", ".jsonl", ".parquet")) or os.sep in args.prompts):
+        raise ConfigError(f"--prompts: file not found: {args.prompts} (or use --prompts default)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; exit code 2 on bad input, before any model is loaded."""
+    args = build_parser().parse_args(argv)
+    try:
+        _check_args(args)
+        # Only the target matters here; the recipe's data.dataset is usually the file we are about to write.
+        cfg = load_config(args.recipe, list(args.overrides) + ["data.dataset=distill-prompts"])
+        prompts = load_prompts(args.prompts)
+        n_pool = len(prompts)
+        if args.exclude:
+            prompts = exclude_prompts(prompts, args.exclude)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from accelerate import Accelerator
+
+    from .target import load_target
+
+    accelerator = Accelerator()
+    say = accelerator.print
+    say(f"[distill] {len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded); "
+        f"target {cfg.target.model}; {accelerator.num_processes} process(es)")
+    cfg.target.model = os.path.expanduser(cfg.target.model)  # recipes may name the prepared dir with ~
+    model, tokenizer = load_target(cfg.target, device=accelerator.device)
+    out = Path(args.out)
+    if accelerator.is_main_process and list(out.parent.glob(f"{out.name}.rank*")):
+        merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
+    accelerator.wait_for_everyone()
+    before = len(_ids_in(out))
+    counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size, limit=args.limit,
+                     order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                     rank=accelerator.process_index, world_size=accelerator.num_processes,
+                     progress=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if accelerator.num_processes > 1:
+            merge_parts(out)
+        total = len(_ids_in(out))
+        say(f"[distill] wrote {total - before} rows ({counts['done_before']} of the job were done before; "
+            f"{counts['too_long']} prompts over {args.max_prompt_tokens} tokens skipped); {out} holds {total} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Self-distillation on a tiny model: rows hold the target's greedy reply (checked against `generate`),
+reruns skip finished ids, per-rank parts merge, and prompt pools / exclusion read the usual formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa_train import distill as D
+from tiny import save_tiny, tiny_model, tiny_tokenizer
+
+PROMPTS = [D.Prompt(f"p{i}", text) for i, text in enumerate(
+    ["hi", "What is the capital of France?", "Write a haiku about the sea, please.", "2+2?", "Tell me a joke"])]
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def greedy_reply(model, tok, text: str, max_new_tokens: int) -> str:
+    """The reference: plain `generate` on the single, unpadded prompt, cut at the end-of-turn token."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    if tok.eos_token_id in out:
+        out = out[:out.index(tok.eos_token_id)]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_rows_hold_the_greedy_reply(tmp_path):
+    model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    counts = D.distill(model, tok, PROMPTS, out, max_new_tokens=7, batch_size=3, progress=False)
+    assert counts["written"] == len(PROMPTS)
+    got = rows(out)
+    assert [r["id"] for r in got] == [p.id for p in PROMPTS]
+    for r, p in zip(got, PROMPTS):
+        assert r["messages"][0] == {"role": "user", "content": p.text}
+        assert r["messages"][1]["role"] == "assistant"
+        assert r["messages"][1]["content"] == greedy_reply(model, tok, p.text, 7)
+        assert r["finish"] in ("stop", "length")
+
+
+def test_reply_stops_at_end_of_turn(tmp_path):
+    model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
+    eos = tok.eos_token_id
+    model.generation_config.suppress_tokens = [eos]  # never ends: cut by max_new_tokens
+    replies = D.generate_replies(model, tok, D.render_prompts(tok, PROMPTS[:2]), max_new_tokens=5)
+    assert all(finish == "length" and n == 5 for _, finish, n in replies)
+    model.generation_config.suppress_tokens = [t for t in range(model.config.vocab_size) if t != eos]
+    replies = D.generate_replies(model, tok, D.render_prompts(tok, PROMPTS[:2]), max_new_tokens=5)
+    assert replies == [("", "stop", 0), ("", "stop", 0)]  # <|im_end|> first: an empty reply, finished
+
+
+def test_rerun_skips_finished_ids_and_redoes_a_torn_line(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama", seed=2), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
+    first = out.read_text()
+    with out.open("a") as f:  # a crash in the middle of writing p3's row
+        f.write('{"id": "p3", "messages": [{"role": "us')
+    seen = []
+    real = D.generate_replies
+
+    def spy(model, tok, prompt_ids, *a, **k):
+        seen.append(len(prompt_ids))
+        return real(model, tok, prompt_ids, *a, **k)
+
+    monkeypatch.setattr(D, "generate_replies", spy)
+    counts = D.distill(model, tok, PROMPTS, out, max_new_tokens=4, batch_size=8, progress=False)
+    assert seen == [2] and counts["written"] == 2 and counts["done_before"] == 3
+    assert out.read_text().startswith(first)  # finished rows untouched, torn line dropped
+    assert [r["id"] for r in rows(out)] == ["p0", "p1", "p2", "p3", "p4"]
+    seen.clear()
+    assert D.distill(model, tok, PROMPTS, out, max_new_tokens=4, progress=False)["written"] == 0
+    assert seen == []
+
+
+def test_ranks_write_parts_that_merge_into_one_file(tmp_path):
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    for rank in (0, 1):  # two processes, one after the other
+        D.distill(model, tok, PROMPTS, out, max_new_tokens=3, batch_size=2, rank=rank, world_size=2,
+                  progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl.rank0", "d.jsonl.rank1"]
+    assert D.read_done_ids(out) == {p.id for p in PROMPTS}
+    assert D.merge_parts(out) == len(PROMPTS)
+    assert sorted(r["id"] for r in rows(out)) == sorted(p.id for p in PROMPTS)
+    assert not list(tmp_path.glob("*.rank*"))
+
+
+def test_order_limit_and_too_long(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    counts = D.distill(model, tok, PROMPTS, out, max_new_tokens=2, order="shortest", limit=2,
+                       max_prompt_tokens=50, progress=False)
+    # byte-level: the chat frame is 19 tokens + one per character; "hi"/"2+2?" are the two shortest,
+    # the 36-character haiku prompt (55 tokens) exceeds 50
+    assert [r["id"] for r in rows(out)] == ["p0", "p3"]
+    assert counts["too_long"] == 1
+
+
+def test_load_prompts_formats_and_exclude(tmp_path):
+    sharegpt = [{"id": "a", "conversations": [{"from": "human", "value": "Explain  gravity"}]},
+                {"id": "b", "conversations": [{"from": "human", "value": "   "}]},  # blank: skipped
+                {"id": "c", "conversations": [{"from": "human", "value": "Explain  gravity"}]},  # duplicate
+                {"id": "d", "conversations": [{"from": "human", "value": "Compose a travel blog post"},
+                                              {"from": "gpt", "value": "..."}]}]
+    (tmp_path / "sg.json").write_text(json.dumps(sharegpt))
+    got = D.load_prompts(str(tmp_path / "sg.json"))
+    assert [(p.id, p.text) for p in got] == [("a", "Explain  gravity"), ("d", "Compose a travel blog post")]
+
+    (tmp_path / "q.jsonl").write_text("\n".join(json.dumps({"question": q}) for q in ["one?", "two?"]))
+    assert [(p.id, p.text) for p in D.load_prompts(str(tmp_path / "q.jsonl"))] == [("q-0", "one?"), ("q-1", "two?")]
+
+    bench = [{"question_id": 81, "turns": ["compose a TRAVEL blog post", "Now shorter."]},
+             {"question_id": 82, "turns": ["Something else entirely, and at least forty characters long."]}]
+    (tmp_path / "mt.jsonl").write_text("\n".join(json.dumps(b) for b in bench))
+    pool = got + [D.Prompt("e", "Now shorter."), D.Prompt("f", "Please: Something else entirely, and at least "
+                                                               "forty characters long. Thanks")]
+    kept = D.exclude_prompts(pool, [str(tmp_path / "mt.jsonl")])
+    assert [p.id for p in kept] == ["a"]
+
+
+def test_default_pool_is_offline_and_disjoint_from_heldout():
+    from medusa_train.prompts import default_prompts
+
+    train, held = default_prompts("train"), default_prompts("heldout")
+    assert len(train) >= 1000 and len(held) >= 40
+    assert len({i for i, _ in train}) == len(train)
+    assert not {t for _, t in train} & {t for _, t in held}
+    assert [p.text for p in D.load_prompts("default")] == [t for _, t in train]
+
+
+def test_cli(tmp_path, capsys):
+    save_tiny(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": t})
+                                                for i, t in [("x", "hello"), ("y", "bye")]))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\ndata:\n  dataset: {tmp_path / 'not-yet.jsonl'}\n")
+    out = tmp_path / "o.jsonl"
+    assert D.main([str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
+                   "--max-new-tokens", "3"]) == 0
+    assert [r["id"] for r in rows(out)] == ["x", "y"]
+    assert "holds 2 rows" in capsys.readouterr().out
+    assert D.main([str(recipe), "--prompts", "default", "--out", str(out), "--exclude", "nope.jsonl"]) == 2
+    assert "--exclude: file not found" in capsys.readouterr().err
+    assert D.main([str(recipe), "--prompts", "default", "--out", str(out), "--max-new-tokens", "0"]) == 2
