@@ -54,10 +54,8 @@ def load_raw(data: DataConfig):
 
     try:
         files = local_data_files(data.dataset)
-    except DataError:
-        raise
     except ConfigError as e:
-        raise DataError(str(e)) from None
+        raise e if isinstance(e, DataError) else DataError(str(e)) from None
     if files is None:
         return _load_hub(data)
     builders = {}
@@ -78,7 +76,13 @@ def load_raw(data: DataConfig):
     except Exception as e:  # noqa: BLE001 - arrow/json errors come in many types
         if builder != "json":
             raise DataError(f"data.dataset: could not read {data.dataset}: {_one_line(e)}") from None
-        ds = _load_json_by_hand(files, data.dataset, e)
+        return _load_json_by_hand(files, data.dataset, e)
+    # a .json file holding {"data": [{...}, ...]} reads as one row with one column: unwrap it
+    if (builder == "json" and len(ds) == len(files) and all(f.lower().endswith(".json") for f in files)
+            and len(ds.column_names) == 1 and ds.column_names[0] not in ("messages", "conversations", "turns")):
+        first = ds[0][ds.column_names[0]]
+        if isinstance(first, list) and first and isinstance(first[0], dict):
+            return _load_json_by_hand(files, data.dataset, ValueError("wrapped rows"))
     return ds
 
 
@@ -113,7 +117,8 @@ def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
             except json.JSONDecodeError as e:
                 raise DataError(f"data.dataset: {f} is neither JSON nor JSON lines: {_one_line(e)}") from None
         if isinstance(obj, dict):  # {"data": [...]} or a single row
-            lists = [v for v in obj.values() if isinstance(v, list) and v and isinstance(v[0], dict)]
+            lists = [v for k, v in obj.items() if k not in ("messages", "conversations")
+                     and isinstance(v, list) and v and isinstance(v[0], dict)]
             obj = lists[0] if len(lists) == 1 else [obj]
         if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
             raise DataError(f"data.dataset: {f} must hold a list of objects (rows), got {type(obj).__name__}")
@@ -192,14 +197,18 @@ def _norm_turns(turns: Any) -> list[dict[str, str]] | None:
 def rows_to_messages(example: dict) -> list[dict[str, str]] | None:
     """The conversation in a row of any supported layout, or None if the row holds none.
 
-    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}]; Alpaca `instruction` (+ `input`,
+    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}] (+ an optional `system` column); Alpaca `instruction` (+ `input`,
     optional `system` and LLaMA-Factory `history` [[q, a], ...]) + `output`; `prompt`/`question` +
     `answer`/`response`/`completion`/`output`; prompts only (`prompt`, `question`, MT-Bench `turns`: the
     first turn) give a single user message.
     """
     kind = _chat_kind(k for k, v in example.items() if v is not None)
     if kind in ("messages", "conversations"):
-        return _norm_turns(example[kind])
+        msgs = _norm_turns(example[kind])
+        system = _content(example.get("system"))  # some ShareGPT sets keep the system prompt beside the turns
+        if msgs is not None and system.strip() and not (msgs and msgs[0]["role"] == "system"):
+            msgs = [{"role": "system", "content": system}] + msgs
+        return msgs
     if kind == "alpaca":
         user = _content(example.get("instruction"))
         extra = _content(example.get("input"))
@@ -283,70 +292,68 @@ class ChatTemplateError(DataError):
 
 
 def _end_ids(tokenizer) -> frozenset[int]:
-    cached = getattr(tokenizer, "_medusa_end_ids", None)
-    if cached is not None:
-        return cached
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    """Ids that end a reply: EOS and the end-of-turn markers the tokenizer knows as added tokens."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     added = tokenizer.get_added_vocab()
-    ids |= {int(added[t]) for t in _END_OF_TURN if t in added}
-    ids = frozenset(ids)
-    try:
-        tokenizer._medusa_end_ids = ids
-    except Exception:  # noqa: BLE001
-        pass
-    return ids
+    return frozenset(ids | {int(added[t]) for t in _END_OF_TURN if t in added})
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int) -> dict[str, list[int]]:
+def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int,
+                  end_ids: frozenset[int] | None = None) -> dict[str, list[int]]:
     """Render a conversation with the tokenizer's chat template; supervise only assistant replies.
 
-    For each assistant turn i, `messages[:i]` rendered with the generation prompt must be a token prefix
-    of the whole conversation; the reply span starts there and runs through the first end-of-turn token
-    (EOS or a known end marker) in what `messages[:i+1]` adds, or to its end if it has none.
+    For assistant turn i, `messages[:i]` rendered with the generation prompt must be a token prefix of
+    the whole conversation: the reply starts there. It ends after the first end-of-turn token (EOS or a
+    known marker such as <|im_end|>) in what `messages[:i+1]` adds, or where that rendering ends if it has
+    none. Templates that render a reply differently once later turns follow (Qwen3 drops the empty
+    think block of earlier replies) still have a stable start; the span then ends at the first end-of-turn
+    token of the full rendering. A template whose earlier turns change (e.g. it moves the system prompt
+    into the last user turn) raises ChatTemplateError.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not getattr(tokenizer, "chat_template", None):
         raise DataError("the target's tokenizer has no chat template; use data.format=text or a chat model")
-    full = _render(tokenizer, messages, False)
+    if end_ids is None:
+        end_ids = _end_ids(tokenizer)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
+    for i in turns:
+        texts.append(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                     if i else _generation_prompt(tokenizer))
+        texts.append(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]  # one batched call
+    full = list(enc[0])
     labels = [IGNORE_INDEX] * len(full)
-    end_ids = _end_ids(tokenizer)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True) if i else _render_empty_prefix(tokenizer, messages[:1])
-        upto = _render(tokenizer, messages[: i + 1], False)
+    for j, i in enumerate(turns):
+        before, upto = enc[1 + 2 * j], enc[2 + 2 * j]
         start = len(before)
-        if full[:start] != before or full[: len(upto)] != upto or len(upto) < start or upto[:start] != before:
+        if full[:start] != before:
             raise ChatTemplateError(
-                f"the chat template renders turn {i} differently once later turns are added (e.g. it rewrites "
-                "earlier replies or adds per-conversation text), so reply spans cannot be found; use single-turn "
-                "rows or a template without that behaviour")
-        stop = len(upto)
-        for t in range(start, len(upto)):
-            if upto[t] in end_ids:
+                f"the chat template renders the turns before message {i} differently once later turns are added "
+                "(e.g. it moves the system prompt or adds per-conversation text), so reply spans cannot be found; "
+                "use single-turn rows or another chat template")
+        if full[: len(upto)] == upto:  # the usual case: this reply renders the same as in the full sequence
+            region, stop = upto, len(upto)
+        else:
+            region, stop = full, None
+        for t in range(start, len(region)):
+            if region[t] in end_ids:
                 stop = t + 1
                 break
+        if stop is None:
+            raise ChatTemplateError(f"message {i}: the chat template renders this reply differently once later "
+                                    "turns follow and ends it with no end-of-turn token; use single-turn rows")
         labels[start:stop] = full[start:stop]
     return {"input_ids": full[:max_length], "labels": labels[:max_length]}
 
 
-def _render_empty_prefix(tokenizer, first: list[dict]) -> list[int]:
-    """The prefix before a conversation that starts with an assistant turn: the generation prompt alone.
-
-    Templates differ on empty conversations, so render a probe and cut it where the assistant content starts.
-    """
+def _generation_prompt(tokenizer) -> str:
+    """What comes before an assistant reply that opens a conversation: its rendering cut where the reply starts."""
     probe = "\x00MEDUSA_PROBE\x00"
     text = tokenizer.apply_chat_template([{"role": "assistant", "content": probe}], tokenize=False)
     cut = text.find(probe)
     if cut < 0:
         raise ChatTemplateError("the chat template drops assistant-first conversations; start rows with a user turn")
-    return tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+    return text[:cut]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,12 +361,14 @@ def _render_empty_prefix(tokenizer, first: list[dict]) -> list[int]:
 
 
 def _eval_count(eval_size: float, n: int) -> int:
+    """Held-out examples: a fraction (at least 1, never all: a 1-row set gets none) or an exact count."""
     if eval_size <= 0:
         return 0
-    k = int(eval_size) if eval_size >= 1 else max(1, round(eval_size * n))
-    if k >= n:
+    if eval_size < 1:
+        return min(max(1, round(eval_size * n)), n - 1)
+    if int(eval_size) >= n:
         raise DataError(f"data.eval_size={eval_size:g} leaves no training examples out of {n}; lower it")
-    return k
+    return int(eval_size)
 
 
 def _bos_id(tokenizer) -> int | None:
@@ -372,7 +381,7 @@ def _bos_id(tokenizer) -> int | None:
 
 
 def _tokenize_text_batch(batch, tokenizer, column: str, bos: int | None, eos: int):
-    texts = [t if isinstance(t, str) else "" for t in batch[column]]
+    texts = ["" if t is None else t if isinstance(t, str) else str(t) for t in batch[column]]
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     out = []
     for ids in enc:
@@ -396,16 +405,23 @@ def _pack(tok_ds, max_length: int):
         if col.num_chunks else pa.array([], type=pa.int64())
     values = values.cast(pa.int32())
     n = len(values)
-    offsets = np.arange(0, n, max_length, dtype=np.int32)
-    offsets = np.append(offsets, np.int32(n)) if n else np.zeros(1, dtype=np.int32)
-    blocks = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
+    offsets = np.append(np.arange(0, n, max_length, dtype=np.int64), np.int64(n)) if n else np.zeros(1, np.int64)
+    if n < 2**31:
+        blocks = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    else:  # 32-bit list offsets overflow past 2**31 tokens
+        blocks = pa.LargeListArray.from_arrays(pa.array(offsets), values)
     table = pa.table({"input_ids": blocks, "labels": blocks})
     return datasets.Dataset(InMemoryTable(table))
+
+
+_NO_REPLY = "no assistant reply"
+_TRUNCATED = "first assistant reply starts beyond data.max_length"
 
 
 def _chat_batch(batch, tokenizer, max_length: int):
     keys = list(batch)
     out: dict[str, list] = {"input_ids": [], "labels": [], "n_sup": [], "drop_reason": []}
+    end_ids = _end_ids(tokenizer)
     for i in range(len(batch[keys[0]])):
         row = {k: batch[k][i] for k in keys}
         ids: list[int] = []
@@ -416,7 +432,7 @@ def _chat_batch(batch, tokenizer, max_length: int):
             if not msgs:
                 reason = "empty conversation"
             else:
-                enc = tokenize_chat(msgs, tokenizer, max_length)
+                enc = tokenize_chat(msgs, tokenizer, max_length, end_ids)
                 ids, labels = enc["input_ids"], enc["labels"]
         except ChatTemplateError:
             raise
@@ -426,8 +442,7 @@ def _chat_batch(batch, tokenizer, max_length: int):
             reason = f"chat template error: {_one_line(e)}"
         n_sup = sum(1 for x in labels if x != IGNORE_INDEX)
         if not reason and n_sup == 0:
-            reason = "no assistant tokens" + (" within data.max_length" if any(
-                m["role"] == "assistant" for m in msgs) else " (no assistant reply)")
+            reason = _TRUNCATED if any(m["role"] == "assistant" for m in msgs) else _NO_REPLY
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["n_sup"].append(n_sup)
@@ -503,10 +518,14 @@ def build_datasets(cfg: Config, tokenizer):
     top = f" (most common: {reasons.most_common(1)[0][0]})" if reasons else ""
     if len(train) == 0 or tokens == 0:
         if fmt == "chat":
-            hint = (" a prompts-only file needs responses first (self-distillation)"
-                    if reasons and all("no assistant" in r for r in reasons) else "")
+            if reasons and set(reasons) == {_NO_REPLY}:
+                hint = "a prompts-only file needs responses first (self-distillation)"
+            elif _TRUNCATED in reasons:
+                hint = f"raise data.max_length (now {d.max_length})"
+            else:
+                hint = "check the roles and the chat template"
             raise DataError(f"no conversation in {d.dataset} has an assistant token to train on: all "
-                            f"{dropped} training rows dropped{top};{hint or ' check the roles and data.max_length'}")
+                            f"{dropped} training rows dropped{top}; {hint}")
         raise DataError(f"data.dataset {d.dataset}: column {d.text_column!r} holds no text (all documents empty)")
     if fmt == "chat" and sup == tokens:
         raise DataError(f"every token of {d.dataset} is supervised: the chat template marks no prompt or header "
@@ -525,8 +544,12 @@ def build_datasets(cfg: Config, tokenizer):
 # Batching and reports
 
 
-def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """input_ids, attention_mask, labels: LongTensors [B, T], right-padded to the longest row (labels -100)."""
+def collate(rows: list[dict], pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, labels: LongTensors [B, T], right-padded to the longest row (labels -100).
+
+    A tokenizer without a pad token can pass None: padding then uses id 0, which the mask hides.
+    """
+    pad_token_id = 0 if pad_token_id is None else pad_token_id
     if not rows:
         raise ValueError("collate needs at least one row")
     width = max(len(r["input_ids"]) for r in rows)
@@ -576,7 +599,7 @@ def dry_run_report(cfg: Config, tokenizer, n_examples: int = 2) -> str:
     if info["drop_reasons"]:
         lines.append("dropped: " + "; ".join(f"{c} x {r}" for r, c in Counter(info["drop_reasons"]).most_common(3)))
     lines.append(f"eval: {info['eval_rows']} rows, {info['eval_tokens']} tokens" if eval_ds is not None
-                 else "eval: none (data.eval_size=0)")
+                 else f"eval: none (data.eval_size={cfg.data.eval_size:g})")
     return "\n".join(lines)
 
 
@@ -588,8 +611,9 @@ def token_counts(ds, vocab_size: int) -> torch.Tensor:
         vals = np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in col.chunks]) \
             if hasattr(col, "chunks") else col.flatten().to_numpy(zero_copy_only=False)
         vals = vals[vals != IGNORE_INDEX].astype(np.int64)
-        if vals.size and (vals.min() < 0 or vals.max() >= vocab_size):
-            raise ValueError(f"token id {int(vals.max())} outside a vocabulary of {vocab_size}")
+        bad = vals[(vals < 0) | (vals >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} outside a vocabulary of {vocab_size}")
         counts += np.bincount(vals, minlength=vocab_size)
     return torch.from_numpy(counts)
 

@@ -38,6 +38,14 @@ def tok():
     return tiny_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def own_datasets_cache(tmp_path, monkeypatch):
+    """Keep the arrow caches of these throwaway files out of the user's ~/.cache."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets-cache")
+
+
 def write_json(path, obj):
     path.write_text(json.dumps(obj))
     return str(path)
@@ -94,16 +102,39 @@ def test_truncation_keeps_alignment(tok):
     assert cut["input_ids"] == full["input_ids"][:40] and cut["labels"] == full["labels"][:40]
 
 
-def test_template_that_rewrites_history_is_a_clear_error(tok):
+# Qwen3's rule, cut down: the reply after the last user turn gets an (empty) think block, earlier ones not
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and loop.index0 > ns.last %}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_template_that_rerenders_earlier_replies(tok):
     t = tiny_tokenizer()
-    # drops earlier assistant replies' content, like reasoning templates that strip old thinking
-    t.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-        "{{ '<|im_start|>assistant\n<|im_end|>\n' }}{% else %}"
-        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    with pytest.raises(DataError, match="renders turn 1 differently"):
-        tokenize_chat(CONVS[0][1:], t, 4096)
+    t.chat_template = QWEN3_LIKE
+    conv = CONVS[2]
+    enc = tokenize_chat(conv, t, 4096)
+    assert enc["input_ids"] == t(t.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    got = [t.decode(s) for s in spans(enc["input_ids"], enc["labels"])]
+    assert got == ["hi" + EOT, "hi hi" + EOT, "<think>\n\n</think>\n\nhi!" + EOT]
+
+
+def test_template_with_unstable_prefix_is_a_clear_error(tok):
+    t = tiny_tokenizer()
+    t.chat_template = "{{ messages | length }}" + tok.chat_template  # per-conversation text up front
+    with pytest.raises(DataError, match="renders the turns before message 1 differently"):
+        tokenize_chat(CONVS[1], t, 4096)
+
+
+def test_conversation_opening_with_assistant(tok):
+    conv = [{"role": "assistant", "content": "Hello! Ask me anything."}, {"role": "user", "content": "ok"},
+            {"role": "assistant", "content": "Sure."}]
+    enc = tokenize_chat(conv, tok, 4096)
+    got = [tok.decode(s) for s in spans(enc["input_ids"], enc["labels"])]
+    assert got == ["Hello! Ask me anything." + EOT, "Sure." + EOT]
 
 
 def test_sharegpt_and_messages_give_identical_rows(tok, tmp_path):
@@ -125,6 +156,8 @@ def test_row_formats():
     assert rows_to_messages({"instruction": "Hi", "input": "", "output": "yo"})[0]["content"] == "Hi"
     assert rows_to_messages({"question": "1+1?", "answer": "2"}) == [
         {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    assert rows_to_messages({"system": "Be brief.", "conversations": [{"from": "human", "value": "q"}]}) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
     assert rows_to_messages({"text": "plain"}) is None
     with pytest.raises(DataError, match="unknown chat role 'robot'"):
         chat_messages({"messages": [{"role": "robot", "content": "x"}]})
@@ -203,7 +236,7 @@ def test_deterministic_order_per_seed(tok, tmp_path):
     assert a == b and a != c and sorted(map(tuple, a)) == sorted(map(tuple, c))
 
 
-@pytest.mark.parametrize("eval_size,n_eval", [(0, 0), (0.1, 4), (0.01, 1), (7, 7), (7.0, 7)])
+@pytest.mark.parametrize("eval_size,n_eval", [(0, 0), (0.1, 4), (0.01, 1), (0.999, 39), (7, 7), (7.0, 7)])
 def test_eval_split_sizes(tok, tmp_path, eval_size, n_eval):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(40)])
     train, ev, info = build_datasets(cfg_for(path, eval_size=eval_size), tok)
@@ -211,6 +244,26 @@ def test_eval_split_sizes(tok, tmp_path, eval_size, n_eval):
     assert info["rows"] == len(train) == 40 - n_eval and info["eval_rows"] == n_eval
     if ev is not None:  # held out, not shared with train
         assert not set(map(tuple, ev["input_ids"])) & set(map(tuple, train["input_ids"]))
+
+
+def test_num_proc_gives_the_same_rows(tok, tmp_path):
+    chat = write_jsonl(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(30)])
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i} " * (i % 5 + 1)} for i in range(30)])
+    for path in (chat, text):
+        one = build_datasets(cfg_for(path, max_length=40, eval_size=3), tok)
+        two = build_datasets(cfg_for(path, max_length=40, eval_size=3, num_proc=2), tok)
+        assert one[0]["input_ids"] == two[0]["input_ids"] and one[0]["labels"] == two[0]["labels"]
+        assert one[1]["input_ids"] == two[1]["input_ids"] and one[2] == two[2]
+    t = tiny_tokenizer()
+    t.chat_template = "{{ messages | length }}" + tok.chat_template
+    with pytest.raises(DataError, match="renders the turns before"):  # a fatal template error crosses processes
+        build_datasets(cfg_for(chat, num_proc=2), t)
+
+
+def test_one_row_dataset_with_fractional_eval(tok, tmp_path):
+    path = write_jsonl(tmp_path / "one.jsonl", [{"question": "q", "answer": "a"}])
+    train, ev, info = build_datasets(cfg_for(path, eval_size=0.02), tok)
+    assert len(train) == 1 and ev is None and info["eval_rows"] == 0
 
 
 def test_max_examples_and_eval_too_big(tok, tmp_path):
@@ -251,7 +304,7 @@ def test_chat_with_nothing_supervised(tok, tmp_path):
         build_datasets(cfg_for(path), tok)
     # replies that start beyond max_length are dropped too
     long = write_jsonl(tmp_path / "long.jsonl", [{"question": "q" * 100, "answer": "a"}] * 2)
-    with pytest.raises(DataError, match="no conversation .* has an assistant token"):
+    with pytest.raises(DataError, match="no conversation .* has an assistant token.*raise data.max_length"):
         build_datasets(cfg_for(long, max_length=16), tok)
 
 
@@ -268,6 +321,15 @@ def test_rows_without_reply_dropped_and_counted(tok, tmp_path):
     train, _, info = build_datasets(cfg_for(write_jsonl(tmp_path / "m.jsonl", rows)), tok)
     assert info["rows"] == 3 and info["dropped"] == 1
     assert info["supervised_tokens"] == sum(x != IGNORE_INDEX for r in train["labels"] for x in r)
+
+
+def test_json_layouts(tmp_path):
+    rows = [{"text": "a"}, {"text": "b"}]
+    for name, obj in (("list.json", rows), ("wrapped.json", {"data": rows})):
+        assert load_raw(DataConfig(dataset=write_json(tmp_path / name, obj)))["text"] == ["a", "b"]
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(DataError, match="bad.jsonl is neither JSON nor JSON lines"):
+        load_raw(DataConfig(dataset=str(tmp_path / "bad.jsonl")))
 
 
 def test_data_error_is_config_error_and_bad_paths(tok, tmp_path):
@@ -301,6 +363,7 @@ def test_detect_format(tmp_path):
 
 def test_collate_padding():
     rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    assert collate(rows, pad_token_id=None)["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     b = collate(rows, pad_token_id=259)
     assert all(v.dtype == torch.long and v.shape == (2, 3) for v in b.values())
     assert b["input_ids"].tolist() == [[5, 6, 7], [8, 259, 259]]
