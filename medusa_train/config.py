@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import glob
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ class TargetConfig:
     attn_implementation: str | None = None
     """Passed to `from_pretrained` (`sdpa`, `eager`, `flash_attention_2`); None keeps the default."""
     trust_remote_code: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template (a .jinja file path, or the template itself) for targets whose tokenizer has
+    none (e.g. Vicuna); None keeps the tokenizer's own."""
 
 
 @dataclass
@@ -259,6 +263,9 @@ def _type_name(hint: Any) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check `value` against the annotation `hint`; allow int -> float and nothing else implicit."""
     origin = typing.get_origin(hint)
@@ -285,6 +292,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads `5e-4` (no dot) as a string
     elif hint is str:
         if isinstance(value, str):
             return value
@@ -336,6 +345,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if _looks_local(cfg.target.model) or os.path.sep in cfg.target.model and Path(cfg.target.model).exists():
         need(Path(os.path.expanduser(cfg.target.model)).exists(),
              f"target.model: directory not found: {cfg.target.model}")
+    tmpl = cfg.target.chat_template
+    need(tmpl is None or "{{" in tmpl or "{%" in tmpl or Path(os.path.expanduser(tmpl)).is_file(),
+         f"target.chat_template: {tmpl} is neither a file nor a Jinja template")
     if cfg.target.gguf_file is not None and Path(os.path.expanduser(cfg.target.model)).is_dir():
         need((Path(os.path.expanduser(cfg.target.model)) / cfg.target.gguf_file).is_file(),
              f"target.gguf_file: {cfg.target.gguf_file} not found in {cfg.target.model}")

@@ -7,6 +7,7 @@ of positions in `losses.py` as `lm_head(h_chunk)`, so [B, T, V] teacher logits n
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -56,6 +57,9 @@ def load_tokenizer(cfg: TargetConfig):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **_common_kwargs(cfg))
     except (OSError, ValueError) as e:
         raise _load_error(cfg, "tokenizer", e) from None
+    if cfg.chat_template:  # for targets shipped without one (e.g. Vicuna)
+        path = Path(os.path.expanduser(cfg.chat_template))
+        tokenizer.chat_template = path.read_text() if path.is_file() else cfg.chat_template
     if tokenizer.pad_token_id is None:  # collate needs a pad id; padded positions are masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -14,12 +14,14 @@ config), `acceptance.json` (per-head top-k acceptance, read by the inference eng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,19 @@ CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 RECIPE_NAME = "recipe.yaml"
 METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class TrainResult:
+    """What `train` leaves behind: where, how far, and the in-memory heads and (still frozen) target."""
+
+    output_dir: Path
+    step: int
+    stopped: bool
+    """True when a signal stopped the run early (a checkpoint was saved; resume with resume=auto)."""
+    heads: DraftHeads
+    target: torch.nn.Module
+    acceptance: dict[str, Any] | None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,6 +127,18 @@ def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
     return final
 
 
+def full_params(accelerator, model):
+    """A context in which `model`'s own parameters are whole on every process: FSDP gathers its shards
+    (for eval and the final save); DDP and single-process runs need nothing."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP.summon_full_params(model, writeback=False)
+    return contextlib.nullcontext()
+
+
 def append_metrics(output_dir: str | os.PathLike, row: dict[str, Any]) -> None:
     with open(Path(output_dir) / METRICS_NAME, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -178,8 +205,8 @@ def _setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id
 # The loop
 
 
-def train(cfg: Config) -> Path:
-    """Train heads per `cfg`; returns the output directory holding the final heads."""
+def train(cfg: Config) -> TrainResult:
+    """Train heads per `cfg`; the final heads, recipe.yaml and acceptance.json land in `cfg.output_dir`."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -287,7 +314,8 @@ def train(cfg: Config) -> Path:
                     micro_steps = 0
                     t_log = time.perf_counter()
                 if eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
-                    metrics, _ = evaluate(unwrapped, target, eval_dl, cfg.loss, cfg.eval.max_batches, accelerator)
+                    with full_params(accelerator, objective):
+                        metrics, _ = evaluate(unwrapped, target, eval_dl, cfg.loss, cfg.eval.max_batches, accelerator)
                     _log(accelerator, cfg, step, {f"eval/{k}": v for k, v in metrics.items()})
                     objective.train()
                     t_log = time.perf_counter()
@@ -307,17 +335,19 @@ def train(cfg: Config) -> Path:
     if stop.requested:
         accelerator.print(f"stopped at step {position['step']}; resume with resume=auto (the default)")
         accelerator.end_training()
-        return out
+        return TrainResult(out, position["step"], True, unwrapped, target, None)
 
     # -- final heads, recipe and acceptance ----------------------------------------------------------------
     split, batches = ("eval", eval_dl) if eval_dl is not None else ("train", train_dl)
     if eval_dl is None:
         accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
-    metrics, acceptance = evaluate(unwrapped, target, batches, cfg.loss, cfg.eval.max_batches, accelerator)
+    with full_params(accelerator, objective):
+        metrics, acceptance = evaluate(unwrapped, target, batches, cfg.loss, cfg.eval.max_batches, accelerator)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(out, extra={"training": {"steps": position["step"],
+                                                               "tokens": position["tokens"], "recipe": RECIPE_NAME}})
     _log(accelerator, cfg, position["step"], {f"{split}/{k}": v for k, v in metrics.items()})
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(out, extra={"training": {"steps": position["step"], "tokens": position["tokens"],
-                                                           "recipe": RECIPE_NAME}})
         (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         save_acceptance(out, acceptance, split)
         accelerator.print(f"heads saved to {out} (expected tau of a chain: {acceptance['expected_tau']:.3f})")
@@ -328,7 +358,7 @@ def train(cfg: Config) -> Path:
         runs = sorted((out / "wandb").glob("offline-run-*"))
         if runs:
             accelerator.print(f"wandb: to upload this run: wandb sync {runs[-1]}")
-    return out
+    return TrainResult(out, position["step"], False, unwrapped, target, acceptance)
 
 
 def _log(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:

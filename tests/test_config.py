@@ -1,0 +1,105 @@
+"""Bad input exits with code 2 and one clear `error:` line before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from medusa_train.cli import main
+from medusa_train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    """A valid recipe whose target directory holds only a tokenizer: loading a model from it would fail,
+    so an error about anything else proves it was raised before the model load."""
+    from tiny import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok_only")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"row {i} some text"}) + "\n"
+                                                 for i in range(4)))
+    path = tmp_path / "r.yaml"
+    path.write_text(f"target: {{model: {tmp_path / 'tok_only'}}}\n"
+                    f"data: {{dataset: {tmp_path / 'data.jsonl'}, format: text, eval_size: 0}}\n"
+                    f"train: {{batch_size: 4, max_steps: 1}}\noutput_dir: {tmp_path / 'out'}\n")
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.batchsize=4", "unknown config key: train.batchsize; did you mean train.batch_size?"),
+    ("heads.num_head=2", "unknown config key: heads.num_head; did you mean heads.num_heads?"),
+    ("train.batch_size=abc", "train.batch_size must be int, got 'abc'"),
+    ("heads.num_heads=0", "heads.num_heads must be between 1 and 16, got 0"),
+    ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel', got 'serial'"),
+    ("loss.decay=0", "loss.decay must be in (0, 1], got 0.0"),
+    ("data.dataset=/nonexistent/train.jsonl", "data.dataset: file not found: /nonexistent/train.jsonl"),
+    ("target.model=/nonexistent/model", "target.model: directory not found: /nonexistent/model"),
+    ("resume=/nonexistent/step-10", "resume: checkpoint directory not found: /nonexistent/step-10"),
+    ("train.lr", "override 'train.lr' must look like section.key=value"),
+])
+def test_config_error_exits_2_with_one_line(recipe, capsys, override, message):
+    code, err = run_cli(capsys, str(recipe), override)
+    assert code == 2
+    assert err.startswith("error: ") and message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_missing_recipe(capsys, tmp_path):
+    code, err = run_cli(capsys, str(tmp_path / "nope.yaml"))
+    assert (code, err) == (2, f"error: recipe file not found: {tmp_path / 'nope.yaml'}")
+
+
+def test_batch_size_must_divide_across_processes(recipe, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = run_cli(capsys, str(recipe), "train.batch_size=3")
+    assert code == 2
+    assert err == "error: train.batch_size=3 does not divide across 2 processes; use a multiple of 2"
+
+
+def test_empty_dataset_fails_before_the_model_loads(recipe, capsys, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = run_cli(capsys, str(recipe), f"data.dataset={tmp_path / 'empty.jsonl'}")
+    assert code == 2
+    assert "empty" in err and "data.dataset" in err  # a data error, not "cannot load the model"
+
+
+def test_unreachable_hub_target_is_a_clear_error(recipe, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time, so also patch the live constant
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, err = run_cli(capsys, str(recipe), "target.model=no-such-org/no-such-model")
+    assert code == 2
+    assert err.startswith("error: target.model: cannot load the tokenizer of 'no-such-org/no-such-model'")
+    assert "hf download no-such-org/no-such-model" in err or "local directory" in err
+
+
+def test_chat_template_must_be_a_file_or_a_template(recipe, capsys):
+    code, err = run_cli(capsys, str(recipe), "target.chat_template=missing.jinja")
+    assert (code, err) == (2, "error: target.chat_template: missing.jinja is neither a file nor a Jinja template")
+
+
+def test_overrides_apply_and_types_coerce(recipe):
+    cfg = load_config(recipe, ["train.lr=5e-4", "heads.num_heads=3", "train.epochs=2", "tracking.run_name=7"])
+    assert (cfg.train.lr, cfg.heads.num_heads, cfg.train.epochs, cfg.tracking.run_name) == (5e-4, 3, 2.0, "7")
+
+
+def test_train_py_subprocess_exit_code(tmp_path):
+    """The real entry point: exit status 2 and a single stderr line."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), str(tmp_path / "missing.yaml")],
+                          capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: recipe file not found: {tmp_path / 'missing.yaml'}"
