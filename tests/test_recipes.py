@@ -1,0 +1,82 @@
+"""Every shipped recipe passes the validator, opens with its launch command, and the accelerate configs
+load; a typo in a recipe fails here, not on a GPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from medusa_train.config import _looks_local, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+GPU_RECIPES = ["llama-3.1-8b-instruct.yaml", "qwen2.5-7b-instruct.yaml", "vicuna-7b-v1.3.yaml"]
+
+
+def test_the_gpu_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert set(GPU_RECIPES) <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_validates(path: Path, tmp_path: Path, monkeypatch):
+    """Hub names are not loaded; local paths (a prepared model, a distilled data file) are replaced by
+    stand-ins so the check does not depend on what this machine has built."""
+    monkeypatch.chdir(ROOT)  # recipes name repository-relative files (chat templates)
+    raw = yaml.safe_load(path.read_text())
+    overrides = []
+    if _looks_local(raw["target"]["model"]):
+        (tmp_path / "model").mkdir()
+        overrides.append(f"target.model={tmp_path / 'model'}")
+    if _looks_local(raw["data"]["dataset"]):
+        (tmp_path / "data.jsonl").write_text('{"text": "x"}\n')
+        overrides.append(f"data.dataset={tmp_path / 'data.jsonl'}")
+    cfg = load_config(path, overrides, world_size=1)
+    assert cfg.heads.num_heads >= 1 and cfg.train.lr > 0
+    assert cfg.train.batch_size % 8 == 0 or path.name not in GPU_RECIPES  # splits over 1, 2, 4 or 8 GPUs
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_opens_with_its_launch_command_and_an_override(name: str):
+    text = (ROOT / "recipes" / name).read_text()
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    assert header, f"{name} must open with a comment"
+    commands = [h for h in header if "train.py" in h]
+    assert any("accelerate launch" in c and f"train.py recipes/{name}" in c for c in commands)
+    assert any(re.search(r"\b[a-z_]+\.[a-z_]+=\S+", h) for h in header), "no example key=value override"
+    cfg = yaml.safe_load(text)
+    assert not _looks_local(cfg["target"]["model"])  # a hub name, loaded only on the GPU machine
+
+
+@pytest.mark.parametrize("name, kind", [("single_gpu", "NO"), ("multi_gpu_ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
+def test_accelerate_configs_load(name: str, kind: str):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(ROOT / "recipes" / "accelerate" / f"{name}.yaml"))
+    assert cfg.distributed_type.value == kind
+    assert cfg.mixed_precision == "bf16"
+
+
+def test_vicuna_template_supervises_exactly_the_replies():
+    """The recipe's own chat template for Vicuna (whose tokenizer has none), through the data pipeline."""
+    from tiny import tiny_tokenizer
+
+    from medusa_train.data import tokenize_chat
+
+    tok = tiny_tokenizer()
+    tok.chat_template = (ROOT / "recipes" / "templates" / "vicuna_v1.1.jinja").read_text()
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    row = tokenize_chat(messages, tok, 512)
+    text = tok.decode(row["input_ids"])
+    assert text.startswith("<|endoftext|>A chat between a curious user")
+    assert " USER: Hi there ASSISTANT: Hello!<|im_end|> USER: 2+2? ASSISTANT: 4<|im_end|>" in text
+    supervised = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert tok.decode(supervised) == " Hello!<|im_end|> 4<|im_end|>"
