@@ -1,0 +1,408 @@
+"""Side-by-side benchmark: plain decoding, transformers' prompt lookup, and our engine with n-gram, bigram,
+parallel (Medusa-1) and chained heads, on the same prompts, greedy, with a fixed `max_new_tokens`.
+
+    python -m inference.bench --target $(python -m medusa_train.prepare) \\
+        --heads runs/smollm2-135m-chained --heads-parallel runs/smollm2-135m-parallel \\
+        --prompts ../shared/data/mt_bench_question.jsonl --max-new-tokens 128 --out results.json --plot bench.png
+
+Methods (every speedup is over `ar`, measured in the same run):
+- `ar`: the target's plain `generate(do_sample=False)`;
+- `pld`: `generate(prompt_lookup_num_tokens=...)`, what transformers gives for free;
+- `ngram`, `bigram`: draft-free drafters in our engine (`NGramDrafter`, `BigramDrafter`);
+- `parallel`, `chained`: trained heads (`--heads-parallel`, `--heads`) in our engine.
+
+Methods run interleaved per prompt (the order rotates from prompt to prompt) after a warm-up, `--repeats`
+times, so machine drift hits all alike. Per method: tokens/s (all new tokens over all seconds), tau (new
+tokens per target forward, summed over prompts; plain decoding is 1.0), speedup (tokens/s over `ar`'s),
+and `exact_match`: whether every output equals `ar`'s token for token (it is reported, never assumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained")
+
+
+class BenchError(ValueError):
+    """Bad benchmark input; the message names the option and the fix."""
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]  # the new tokens (EOS included when generation stopped on it)
+    forwards: int  # target forwards, prefill included
+    seconds: float
+
+
+@dataclass
+class MethodTotals:
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differs from ar's
+
+
+Runner = Callable[[torch.Tensor, int], RunResult]  # (input_ids [1, T], max_new_tokens) -> result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def _first_user_turn(row: dict) -> str | None:
+    """MT-Bench / Spec-Bench `turns` (first turn), a `prompt`/`question`/`instruction` field, or the first
+    user message of `messages` / ShareGPT `conversations`."""
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns:
+        return str(turns[0])
+    for key in ("prompt", "question", "instruction"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    for key in ("messages", "conversations"):
+        for m in row.get(key) or []:
+            if isinstance(m, dict) and str(m.get("role", m.get("from", ""))).lower() in ("user", "human"):
+                return str(m.get("content", m.get("value", "")))
+    return None
+
+
+def load_bench_prompts(source: str, limit: int = 0) -> list[str]:
+    """Prompts from a JSON/JSONL file (see `_first_user_turn`), or `default`: the held-out split of the
+    offline default pool (topics and tasks the default training split never uses)."""
+    if source == "default":
+        from medusa_train.prompts import default_prompts
+
+        texts = [t for _, t in default_prompts("heldout")]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise BenchError(f"--prompts: file not found: {source} (a JSONL with `prompt` or `turns`, or `default`)")
+        raw = path.read_text(encoding="utf-8")
+        try:
+            rows = json.loads(raw)
+            rows = rows if isinstance(rows, list) else [rows]
+        except json.JSONDecodeError:
+            rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        texts = [t for t in (_first_user_turn(r) for r in rows if isinstance(r, dict)) if t and t.strip()]
+        if not texts:
+            raise BenchError(f"--prompts: no row of {source} has a `prompt`, `turns`, `question` or user message")
+    return texts[:limit] if limit > 0 else texts
+
+
+def render(tokenizer, text: str) -> torch.Tensor:
+    """The prompt as one user turn through the chat template (raw text if the tokenizer has none): [1, T]."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor([list(ids)], dtype=torch.long)
+
+
+def bigram_texts(path: str) -> list[str]:
+    """Texts to count bigrams on: assistant replies of chat rows, else `text`/`output`/`answer` fields."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        msgs = row.get("messages") or row.get("conversations") or []
+        replies = [str(m.get("content", m.get("value", ""))) for m in msgs if isinstance(m, dict)
+                   and str(m.get("role", m.get("from", ""))).lower() in ("assistant", "gpt")]
+        if not replies:
+            replies = [str(row[k]) for k in ("text", "output", "answer", "response") if isinstance(row.get(k), str)]
+        out += replies
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runners
+
+
+def hf_runner(model: nn.Module, pad_token_id: int | None, prompt_lookup_num_tokens: int | None = None) -> Runner:
+    """`model.generate` greedy (with prompt lookup when asked). Target forwards are counted with a hook."""
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> RunResult:
+        calls = [0]
+        hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
+        try:
+            ids = input_ids.to(model.device)
+            _sync(model.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, temperature=None, top_p=None, top_k=None,
+                                     pad_token_id=pad_token_id, **extra)
+            _sync(model.device)
+            seconds = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        return RunResult(out[0, ids.shape[1]:].tolist(), calls[0], seconds)
+
+    return run
+
+
+def engine_runner(generator, tree: str = "static", tree_budget: str | int = "auto") -> Runner:
+    """Our engine, greedy, with the given tree settings. Forwards come from the engine's own stats."""
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> RunResult:
+        _sync(generator.device)
+        t0 = time.perf_counter()
+        out = generator.generate(input_ids, max_new_tokens=max_new_tokens, temperature=0.0, tree=tree,
+                                 tree_budget=tree_budget)
+        _sync(generator.device)
+        return RunResult(out.token_ids.tolist(), out.stats.target_forwards, time.perf_counter() - t0)
+
+    return run
+
+
+def _sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def run_benchmark(runners: dict[str, Runner], prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                  repeats: int = 1, warmup: int = 1, log: Callable[[str], None] | None = None
+                  ) -> dict[str, dict[str, float | bool]]:
+    """Run every method on every prompt, interleaved, and summarise.
+
+    `runners` must include `ar` (the reference). Warm-up: each method generates `warmup` times on the
+    first prompt (not counted). Then, per prompt, `repeats` rounds of all methods in an order rotated by
+    the prompt's index. Returns {method: {tokens_per_s, tau, speedup, exact_match}}.
+    """
+    if "ar" not in runners:
+        raise BenchError("the benchmark needs the `ar` method: every speedup is divided by it")
+    names = list(runners)
+    for _ in range(warmup):
+        for name in names:
+            runners[name](prompts[0], min(max_new_tokens, 16))
+    totals = {name: MethodTotals() for name in names}
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        outputs: dict[str, list[list[int]]] = {name: [] for name in names}
+        for _ in range(repeats):
+            for name in order:
+                res = runners[name](ids, max_new_tokens)
+                t = totals[name]
+                t.tokens += len(res.tokens)
+                t.forwards += res.forwards
+                t.seconds += res.seconds
+                outputs[name].append(res.tokens)
+        reference = outputs["ar"][0]
+        for name in names:
+            if any(out != reference for out in outputs[name]):
+                totals[name].mismatches.append(i)
+        if log is not None:
+            rates = "  ".join(f"{n} {sum(map(len, outputs[n])) / max(totals[n].seconds, 1e-9):.0f}" for n in names)
+            log(f"[bench] prompt {i + 1}/{len(prompts)}: {len(reference)} tokens; cumulative tok/s: {rates}")
+    ar_rate = totals["ar"].tokens / max(totals["ar"].seconds, 1e-9)
+    summary = {}
+    for name in names:
+        t = totals[name]
+        rate = t.tokens / max(t.seconds, 1e-9)
+        summary[name] = {"tokens_per_s": round(rate, 3), "tau": round(t.tokens / max(t.forwards, 1), 3),
+                         "speedup": round(rate / ar_rate, 3), "exact_match": not t.mismatches}
+    return summary
+
+
+def machine_description(device: torch.device | str) -> str:
+    """OS, CPU model and core count (or the GPU), and the torch / transformers versions."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = torch.device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu}, {os.cpu_count()} CPU cores"
+    return (f"{platform.system()} {platform.machine()}, {where}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
+
+
+def format_table(summary: dict[str, dict[str, float | bool]]) -> str:
+    lines = [f"{'method':<10}{'tokens/s':>10}{'tau':>8}{'speedup':>10}  exact_match"]
+    for name, m in summary.items():
+        lines.append(f"{name:<10}{m['tokens_per_s']:>10.1f}{m['tau']:>8.2f}{m['speedup']:>9.2f}x  "
+                     f"{'yes' if m['exact_match'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict[str, float | bool]], path: str, title: str = "") -> None:
+    """Two bar charts: tau and speedup over `ar` per method (mismatching methods hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in ((axes[0], "tau", "tau (tokens per target forward)"),
+                           (axes[1], "speedup", "speedup over ar (wall clock)")):
+        vals = [float(summary[n][key]) for n in names]
+        bars = ax.bar(names, vals, color=["#888888" if n in ("ar", "pld") else "#3b75af" for n in names],
+                      hatch=None)
+        for bar, n, v in zip(bars, names, vals):
+            if not summary[n]["exact_match"]:
+                bar.set_hatch("//")
+            ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_title(label, fontsize=10)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None, help="target model directory or name (default: the one the heads "
+                                                   "name)")
+    p.add_argument("--heads", default=None, help="chained heads directory (method `chained`)")
+    p.add_argument("--heads-parallel", default=None, help="parallel (Medusa-1) heads directory (method `parallel`)")
+    p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
+                                                        "turn), or `default` (the offline pool's held-out split)")
+    p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
+    p.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL_METHODS)} (default: every "
+                                                   "method whose inputs were given)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method (not counted)")
+    p.add_argument("--tree", choices=("static", "dynamic"), default="static")
+    p.add_argument("--tree-budget", default="auto", help="draft nodes per step for engine methods, or `auto`")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for `pld`")
+    p.add_argument("--bigram-data", default=None, help="JSONL whose assistant replies (or text) build the bigram "
+                                                       "table (default: the data the --heads were trained on)")
+    p.add_argument("--bigram-top-k", type=int, default=4)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--plot", default=None, help="draw tau and speedup per method into this PNG")
+    return p
+
+
+def _heads_training_data(heads_dir: str | None) -> str | None:
+    """data.dataset from the heads' saved recipe, if it is a local JSONL file."""
+    if not heads_dir or not (Path(heads_dir) / "recipe.yaml").is_file():
+        return None
+    import yaml
+
+    data = (yaml.safe_load((Path(heads_dir) / "recipe.yaml").read_text()) or {}).get("data") or {}
+    path = str(data.get("dataset") or "")
+    return path if path.endswith(".jsonl") and Path(path).is_file() else None
+
+
+def resolve_methods(args: argparse.Namespace) -> list[str]:
+    """The methods to run, checked against the inputs given (errors name the missing option)."""
+    if args.bigram_data is None:
+        args.bigram_data = _heads_training_data(args.heads) or _heads_training_data(args.heads_parallel)
+    if args.methods is None:
+        methods = ["ar", "pld", "ngram"] + (["bigram"] if args.bigram_data else []) + \
+                  (["parallel"] if args.heads_parallel else []) + (["chained"] if args.heads else [])
+    else:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in ALL_METHODS]
+        if unknown:
+            raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+        if "ar" not in methods:
+            methods.insert(0, "ar")  # the reference for speedup and exact_match
+    need = {"chained": ("--heads", args.heads), "parallel": ("--heads-parallel", args.heads_parallel),
+            "bigram": ("--bigram-data", args.bigram_data)}
+    for m in methods:
+        if m in need and not need[m][1]:
+            raise BenchError(f"method {m} needs {need[m][0]}")
+        if m in need and not Path(need[m][1]).exists():
+            raise BenchError(f"{need[m][0]}: not found: {need[m][1]}")
+    if args.target is None:
+        from medusa_train.heads import load_spec
+
+        for d in (args.heads, args.heads_parallel):
+            if d and load_spec(d).target_name:
+                args.target = load_spec(d).target_name
+                break
+        else:
+            raise BenchError("--target is required (no heads directory names its target)")
+    return methods
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; exit code 2 on bad input, before any model is loaded."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.max_new_tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.limit < 0:
+            raise BenchError("--max-new-tokens and --repeats must be >= 1, --warmup and --limit >= 0")
+        budget: str | int = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
+        methods = resolve_methods(args)
+        texts = load_bench_prompts(args.prompts, args.limit)
+    except (BenchError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"[bench] loading {args.target} on {device}; methods: {', '.join(methods)}; {len(texts)} prompts, "
+        f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    runners: dict[str, Runner] = {}
+    for m in methods:
+        if m == "ar":
+            runners[m] = hf_runner(target, pad)
+        elif m == "pld":
+            runners[m] = hf_runner(target, pad, args.pld_tokens)
+        else:
+            if m == "ngram":
+                drafter = NGramDrafter()
+            elif m == "bigram":
+                drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
+            else:
+                drafter = HeadsDrafter.from_pretrained(args.heads if m == "chained" else args.heads_parallel, target)
+            runners[m] = engine_runner(SpeculativeGenerator(target, tokenizer, drafter), args.tree, budget)
+    prompts = [render(tokenizer, t) for t in texts]
+    summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log)
+    result = {"machine": machine_description(device), "target": str(args.target), "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "methods": summary}
+    print(f"\n{result['machine']}\ntarget {result['target']}, {len(prompts)} prompts ({args.prompts}), greedy, "
+          f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
+    print(format_table(summary))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"[bench] wrote {args.out}")
+    if args.plot:
+        plot(summary, args.plot, f"{Path(str(args.target)).name}, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+        log(f"[bench] wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The benchmark on a tiny model: every method runs, the JSON has the documented schema, and
+`exact_match` is reported honestly (a deliberately broken drafter makes it false)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from inference import NGramDrafter, SpeculativeGenerator
+from inference import bench
+from medusa_train.heads import DraftHeads
+from tiny import save_tiny, tiny_model, tiny_tokenizer
+
+PROMPTS = [{"prompt": "Tell me about the sea."}, {"question_id": 1, "turns": ["Say hello hello hello.", "again"]},
+           {"prompt": "abc abc abc abc"}]
+
+
+def random_heads(model, kind: str, seed: int) -> DraftHeads:
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=3)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return heads
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    model = save_tiny(root / "target", seed=4)
+    random_heads(model, "chained", 1).save_pretrained(root / "chained")
+    random_heads(model, "parallel", 2).save_pretrained(root / "parallel")
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS))
+    replies = [{"id": i, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]}
+               for i, t in enumerate(["hello hello world", "the sea is blue and the sky is blue"])]
+    (root / "distilled.jsonl").write_text("\n".join(json.dumps(r) for r in replies))
+    return root
+
+
+def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
+    out, png = setup / "results.json", setup / "bench.png"
+    rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"),
+                     "--heads-parallel", str(setup / "parallel"), "--bigram-data", str(setup / "distilled.jsonl"),
+                     "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
+                     "--repeats", "2", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"machine", "target", "prompts", "max_new_tokens", "methods"}
+    assert res["prompts"] == 3 and res["max_new_tokens"] == 12 and res["target"] == str(setup / "target")
+    assert list(res["methods"]) == list(bench.ALL_METHODS)
+    for name, m in res["methods"].items():
+        assert set(m) == {"tokens_per_s", "tau", "speedup", "exact_match"}
+        assert m["exact_match"] is True, name  # the engine is exact; pld is transformers' own
+        assert m["tokens_per_s"] > 0 and m["tau"] >= 1.0
+    assert res["methods"]["ar"]["tau"] == 1.0 and res["methods"]["ar"]["speedup"] == 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "chained" in table and "exact_match" in table
+
+
+def test_a_broken_drafter_is_reported_as_not_exact():
+    model, tok = tiny_model("llama", seed=5), tiny_tokenizer()
+
+    class RootSwapDrafter(NGramDrafter):
+        """Feeds a wrong root token to verification: the target then continues from a corrupted context."""
+
+        def draft(self, ctx):
+            tree = super().draft(ctx)
+            tokens = tree.tokens.clone()
+            tokens[0] = (tokens[0] + 1) % model.config.vocab_size
+            return dataclasses.replace(tree, tokens=tokens)
+
+    runners = {"ar": bench.hf_runner(model, tok.pad_token_id),
+               "ngram": bench.engine_runner(SpeculativeGenerator(model, tok, NGramDrafter()), tree_budget=3),
+               "broken": bench.engine_runner(SpeculativeGenerator(model, tok, RootSwapDrafter()), tree_budget=3)}
+    prompts = [bench.render(tok, p) for p in ("hello there", "one two one two one two")]
+    summary = bench.run_benchmark(runners, prompts, max_new_tokens=16, warmup=0)
+    assert summary["ar"]["exact_match"] and summary["ngram"]["exact_match"]
+    assert summary["broken"]["exact_match"] is False
+
+
+def test_interleaving_rotates_and_repeats():
+    calls = []
+
+    def fake(name):
+        def run(ids, n):
+            calls.append(name)
+            return bench.RunResult([1] * n, n if name == "ar" else 2, 1.0)
+        return run
+
+    runners = {m: fake(m) for m in ("ar", "x", "y")}
+    prompts = [torch.tensor([[1]])] * 3
+    summary = bench.run_benchmark(runners, prompts, max_new_tokens=4, repeats=2, warmup=1)
+    assert calls[:3] == ["ar", "x", "y"]  # warm-up
+    assert calls[3:] == ["ar", "x", "y"] * 2 + ["x", "y", "ar"] * 2 + ["y", "ar", "x"] * 2
+    assert summary["x"]["tau"] == 2.0 and summary["ar"]["tau"] == 1.0 and summary["x"]["speedup"] == 1.0
+
+
+def test_prompt_formats(tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS + [{"prompt": "  "}]))
+    assert bench.load_bench_prompts(str(tmp_path / "p.jsonl")) == [
+        "Tell me about the sea.", "Say hello hello hello.", "abc abc abc abc"]
+    assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1) == ["Tell me about the sea."]
+    held = bench.load_bench_prompts("default", limit=5)
+    assert len(held) == 5 and all(isinstance(t, str) and t for t in held)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,chained"], "method chained needs --heads"),
+    (["--methods", "ar,warp"], "unknown warp"),
+    (["--prompts", "missing.jsonl"], "--prompts: file not found"),
+    (["--heads", "nope"], "--heads: not found"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_input_exits_2(setup, capsys, argv, message):
+    assert bench.main(["--target", str(setup / "target"), *argv]) == 2
+    assert message in capsys.readouterr().err
