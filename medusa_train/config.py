@@ -179,6 +179,7 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
     cfg = _build(Config, raw, prefix="")
+    _expand_home(cfg)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size=world_size)
@@ -188,8 +189,18 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
 def config_from_dict(raw: dict[str, Any], world_size: int = 1) -> Config:
     """Build and validate a Config from a nested dict (as saved next to heads and checkpoints)."""
     cfg = _build(Config, raw, prefix="")
+    _expand_home(cfg)
     validate(cfg, world_size=world_size)
     return cfg
+
+
+def _expand_home(cfg: Config) -> None:
+    """`~/...` in path-valued keys means the home directory (from_pretrained and datasets do not expand it)."""
+    for section, key in (("target", "model"), ("data", "dataset"), (None, "output_dir"), (None, "resume")):
+        obj = getattr(cfg, section) if section else cfg
+        value = getattr(obj, key)
+        if value.startswith("~"):
+            setattr(obj, key, os.path.expanduser(value))
 
 
 def _parse_scalar(text: str) -> Any:
