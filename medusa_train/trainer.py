@@ -346,7 +346,8 @@ def train(cfg: Config) -> TrainResult:
         if accelerator.is_main_process:
             unwrapped.save_pretrained(out, extra={"training": {"steps": position["step"],
                                                                "tokens": position["tokens"], "recipe": RECIPE_NAME}})
-    _log(accelerator, cfg, position["step"], {f"{split}/{k}": v for k, v in metrics.items()})
+    prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
+    _log(accelerator, cfg, position["step"], {f"{prefix}/{k}": v for k, v in metrics.items()})
     if accelerator.is_main_process:
         (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         save_acceptance(out, acceptance, split)

@@ -1,0 +1,247 @@
+"""The training loop on a tiny random Llama: what moves, what must not, resume, two processes, logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from medusa_train.config import load_config
+from medusa_train.heads import DraftHeads, HeadsMismatchError
+from medusa_train.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two shared cores: one intra-op thread per process is several times faster than two fighting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    """A tiny saved Llama + tokenizer and a small plain-text dataset."""
+    from tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("train")
+    save_tiny(root / "model", "llama")
+    rng = random.Random(0)
+    with open(root / "text.jsonl", "w") as f:
+        for _ in range(10):  # ~55 rows of 24 tokens: 20 steps of 4 cross an epoch boundary
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40))}) + "\n")
+    (root / "base.yaml").write_text(
+        f"target: {{model: {root / 'model'}}}\n"
+        "heads: {num_heads: 3}\n"
+        f"data: {{dataset: {root / 'text.jsonl'}, format: text, max_length: 24, eval_size: 4}}\n"
+        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 2, log_every: 5, seed: 0}\n"
+        "loss: {distill_weight: 1.0, ce_weight: 0.5, chunk_size: 32}\n"
+        "eval: {max_batches: 2}\n")
+    return root
+
+
+def config(ws: Path, out: str, *overrides: str):
+    return load_config(ws / "base.yaml", [f"output_dir={ws / out}", *overrides], world_size=1)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if wa[k].numel())
+
+
+@pytest.fixture(scope="module")
+def run20(ws: Path, tmp_path_factory):
+    """The reference run: 20 steps, checkpoints at 10 and 20, eval at 10, W&B in offline mode."""
+    env = {k: os.environ.pop(k) for k in ("WANDB_API_KEY", "WANDB_MODE") if k in os.environ}
+    os.environ["WANDB_SILENT"] = "true"
+    try:
+        cfg = config(ws, "run20", "train.max_steps=20", "train.save_every=10", "eval.every=10",
+                     "tracking.backend=wandb", "tracking.project=test")
+        result = train(cfg)
+    finally:
+        os.environ.update(env)
+        os.environ.pop("WANDB_SILENT", None)
+    return cfg, result
+
+
+def test_every_head_parameter_moves_and_the_target_stays_bit_identical(ws, run20):
+    from transformers import AutoModelForCausalLM
+
+    cfg, result = run20
+    fresh = DraftHeads.for_target(result.target, "chained", 3)
+    trained = dict(result.heads.named_parameters())
+    for name, p0 in fresh.named_parameters():
+        assert not torch.equal(p0, trained[name].detach().cpu()), f"head parameter {name} did not move"
+    on_disk = AutoModelForCausalLM.from_pretrained(ws / "model", dtype=torch.float32).state_dict()
+    after = result.target.state_dict()
+    assert on_disk.keys() == after.keys()
+    for name, w in on_disk.items():
+        assert torch.equal(w, after[name]), f"target parameter {name} changed"
+    assert not any(p.requires_grad for p in result.target.parameters())
+
+
+def test_outputs_metrics_and_checkpoints(ws, run20):
+    cfg, result = run20
+    out = Path(cfg.output_dir)
+    assert result.step == 20 and not result.stopped
+    rows = read_jsonl(out / "metrics.jsonl")
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # one row per log step
+    for key in ("train/head1/top1_target", "train/head3/top5_data", "train/lr", "train/grad_norm",
+                "train/tokens_per_s", "train/head2/kl", "train/head2/ce"):
+        assert all(key in r for r in train_rows), key
+    assert [r["step"] for r in rows if "eval/expected_tau" in r] == [10, 20]  # eval.every and the final eval
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-10", "step-20"]
+    assert json.loads((out / "checkpoints/step-10/trainer_state.json").read_text())["step"] == 10
+    assert (out / "recipe.yaml").is_file() and load_config(out / "recipe.yaml").train.max_steps == 20
+
+    acc = json.loads((out / "acceptance.json").read_text())
+    assert len(acc["topk_accuracy"]) == 3 and all(len(r) == 10 for r in acc["topk_accuracy"])
+    assert all(0 <= sum(r) <= 1 + 1e-9 for r in acc["topk_accuracy"])  # exact ranks are disjoint events
+    p1 = [r[0] for r in acc["topk_accuracy"]]
+    assert acc["expected_tau"] == pytest.approx(1 + p1[0] + p1[0] * p1[1] + p1[0] * p1[1] * p1[2])
+    assert acc["positions"] > 0 and acc["split"] == "eval"
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The history rows of an offline `run-*.wandb` file (a LevelDB-style log of protobuf Records:
+    32 KiB blocks, each record chunk = crc32 (4) + length (2) + type (1: full, 2: first, 3: middle, 4: last))."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, rows, buf = 7, [], b""  # 7-byte file header: ident, magic, version
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        buf = (b"" if kind in (1, 2) else buf) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_metrics(run20):
+    cfg, _ = run20
+    runs = list((Path(cfg.output_dir) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    history = wandb_history(next(runs[0].glob("run-*.wandb")))
+    logged = [r for r in read_jsonl(Path(cfg.output_dir) / "metrics.jsonl") if "train/loss" in r]
+    assert [r["_step"] for r in history] == [5, 10, 15, 20]
+    assert [r["train/loss"] for r in history] == pytest.approx([r["train/loss"] for r in logged])
+    assert [r["_step"] for r in history if "eval/expected_tau" in r] == [10, 20]
+    assert all("train/head3/top5_target" in r and "train/lr" in r for r in history)
+
+
+def test_heads_round_trip_and_refuse_another_target(ws, run20):
+    from tiny import tiny_model
+
+    cfg, result = run20
+    loaded = DraftHeads.from_pretrained(cfg.output_dir, target=result.target)
+    for (name, a), b in zip(result.heads.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a.cpu(), b), name
+    with pytest.raises(HeadsMismatchError, match="weights differ"):
+        DraftHeads.from_pretrained(cfg.output_dir, target=tiny_model("llama", seed=1))
+    with pytest.raises(HeadsMismatchError, match="hidden_size"):
+        DraftHeads.from_pretrained(cfg.output_dir, target=tiny_model("llama", hidden=64))
+
+
+def test_resume_from_step_10_ends_where_the_uninterrupted_run_ends(ws, run20):
+    cfg, _ = run20
+    out = ws / "resumed"
+    shutil.copytree(Path(cfg.output_dir) / "checkpoints" / "step-10", out / "checkpoints" / "step-10")
+    result = train(config(ws, "resumed", "train.max_steps=20", "train.save_every=10", "eval.every=10"))
+    assert result.step == 20
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [15, 20]
+    assert [r["train/epoch"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r][-1] >= 1
+    assert max_diff(Path(cfg.output_dir), out) <= 1e-6
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(ws, run20):
+    """Kill a real `train.py` process mid-run; it checkpoints and exits 0; resuming finishes the same run."""
+    cfg, _ = run20
+    out = ws / "killed"
+    args = [sys.executable, str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={out}",
+            "train.max_steps=20", "train.log_every=1"]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log
+    steps = [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")]
+    assert len(steps) == 1 and 2 <= steps[0] < 20, log
+    assert "received SIGTERM" in log and not (out / "model.safetensors").exists()
+    result = train(config(ws, "killed", "train.max_steps=20"))
+    assert result.step == 20
+    assert max_diff(Path(cfg.output_dir), out) <= 1e-6
+
+
+def test_loss_falls_by_a_large_factor_on_one_repeated_batch(ws):
+    # one short document -> two rows of <= 24 tokens -> every step sees the same batch of 2
+    (ws / "one.jsonl").write_text(json.dumps({"text": "the cat sat on the mat and the dog ran"}) + "\n")
+    cfg = config(ws, "overfit", f"data.dataset={ws / 'one.jsonl'}", "data.eval_size=0", "train.batch_size=2",
+                 "train.max_steps=60", "train.lr=3.0e-2", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
+                 "train.log_every=1", "loss.distill_weight=0", "loss.ce_weight=1.0", "heads.own_lm_head=true")
+    train(cfg)
+    rows = [r for r in read_jsonl(ws / "overfit" / "metrics.jsonl") if "train/loss" in r]
+    tokens = [r["train/tokens"] for r in rows]
+    assert len(rows) == 60 and all(b - a == tokens[0] for a, b in zip(tokens, tokens[1:]))
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] / 10
+
+
+def test_two_processes_match_one_process_with_grad_accum_2(ws):
+    """torchrun with 2 CPU processes (gloo), 2 sequences each, vs 1 process, 2 sequences x 2 micro-steps."""
+    common = ["train.max_steps=3", "train.log_every=1", "data.eval_size=0", "eval.max_batches=1"]
+    two = ws / "ddp2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={two}", "train.batch_size=4", *common],
+        env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = ws / "ga2"
+    train(config(ws, "ga2", "train.batch_size=2", "train.grad_accum=2", *common))
+    assert max_diff(one, two) <= 1e-5
+    r1, r2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["train/tokens"] for r in r1 if "train/loss" in r] == [r["train/tokens"] for r in r2 if "train/loss" in r]
+    assert r1[2]["train/loss"] == pytest.approx(r2[2]["train/loss"], rel=1e-4)
+
+
+def test_warmup_cosine_schedule():
+    from medusa_train.trainer import warmup_cosine
+
+    lr = [warmup_cosine(s, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(11)]
+    assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
+    assert lr[10] == pytest.approx(0.1) and all(a >= b for a, b in zip(lr[2:], lr[3:]))
+    assert lr[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
