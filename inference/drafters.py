@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau, select_dynamic_tree,
+from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, select_dynamic_tree,
                             static_tree_search, topology_from_paths, tree_from_parents)
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
@@ -61,10 +61,9 @@ class Drafter:
     def topk_accuracy(self) -> list[list[float]]:
         return default_topk_accuracy(self.max_depth)
 
-    def expected_tau(self, budget: int) -> float:
-        """Expected tokens per step of the best static tree with `budget` draft nodes."""
-        acc = self.topk_accuracy()
-        return expected_tau(static_tree_search(acc, budget), acc)
+    def expected_tau(self, max_budget: int) -> list[float]:
+        """Expected tokens per step of the best static tree for every budget 0..max_budget."""
+        return expected_tau_curve(self.topk_accuracy(), max_budget)
 
     def reset(self) -> None:
         """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""

@@ -178,6 +178,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.device = target.get_output_embeddings().weight.device
         self._verify_seconds: dict[int, float] | None = None  # tokens -> seconds, measured once
+        self._auto_budget: int | None = None
         if self_check:
             check_tree_attention(target)
 
@@ -409,19 +410,22 @@ class SpeculativeGenerator:
 
     def auto_tree_budget(self) -> int:
         """The draft-node budget maximising expected tau / verify time on this machine (verify time
-        interpolated between the measured lengths; expected tau from the drafter's static tree prior)."""
-        times = self.verify_seconds()
-        lengths = sorted(times)
-        best, best_rate = 0, 0.0
-        for budget in range(0, max(lengths)):
-            n = budget + 1
-            hi = next(length for length in lengths if length >= n)
-            lo = max((length for length in lengths if length <= n), default=hi)
-            t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
-            rate = self.drafter.expected_tau(budget) / t
-            if rate > best_rate:
-                best, best_rate = budget, rate
-        return best
+        interpolated between the measured lengths; expected tau from the drafter's static tree prior).
+        Computed once per generator."""
+        if self._auto_budget is None:
+            times = self.verify_seconds()
+            lengths = sorted(times)
+            tau = self.drafter.expected_tau(max(lengths) - 1)
+            best, best_rate = 0, 0.0
+            for budget in range(0, max(lengths)):
+                n = budget + 1  # tokens in the verify forward
+                hi = next(length for length in lengths if length >= n)
+                lo = max(length for length in lengths if length <= n)
+                t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
+                if tau[budget] / t > best_rate:
+                    best, best_rate = budget, tau[budget] / t
+            self._auto_budget = best
+        return self._auto_budget
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

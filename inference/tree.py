@@ -172,10 +172,22 @@ def static_tree_search(topk_accuracy: Sequence[Sequence[float]], budget: int) ->
     shrinks along a path, so taking nodes best-first keeps the set closed under prefixes, and the
     greedy choice is optimal for this objective.
     """
+    return [path for path, _ in _best_first_nodes(topk_accuracy, budget)]
+
+
+def expected_tau_curve(topk_accuracy: Sequence[Sequence[float]], max_budget: int) -> list[float]:
+    """Expected tau of the best static tree for every budget 0..max_budget (one search)."""
+    curve = [1.0]
+    for _, prob in _best_first_nodes(topk_accuracy, max_budget):
+        curve.append(curve[-1] + prob)
+    return curve + [curve[-1]] * (max_budget + 1 - len(curve))  # ran out of nodes: flat
+
+
+def _best_first_nodes(topk_accuracy: Sequence[Sequence[float]], budget: int) -> list[tuple[Path, float]]:
     if budget < 0:
         raise ValueError(f"tree budget must be >= 0 draft nodes, got {budget}")
     acc = [list(row) for row in topk_accuracy]
-    chosen: list[Path] = []
+    chosen: list[tuple[Path, float]] = []
     heap: list[tuple[float, Path]] = []
 
     def push_children(path: Path, value: float) -> None:
@@ -187,7 +199,7 @@ def static_tree_search(topk_accuracy: Sequence[Sequence[float]], budget: int) ->
     push_children((), 1.0)
     while heap and len(chosen) < budget:
         neg, path = heapq.heappop(heap)
-        chosen.append(path)
+        chosen.append((path, -neg))
         push_children(path, -neg)
     return chosen
 

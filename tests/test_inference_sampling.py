@@ -1,0 +1,161 @@
+"""Lossless sampling: the first generated tokens follow the target's own distribution.
+
+A tiny Llama with a 4-token vocabulary makes the exact joint distribution of the first three new tokens
+(64 outcomes) cheap to enumerate. We draw it many times through `generate` with different seeds and run
+a chi-square goodness-of-fit test. The seeds are fixed, so the test is deterministic; the threshold is
+the chi-square quantile at p = 1e-5 (a correct sampler fails it with probability 1e-5 for a fresh set of
+seeds), and a sampler that is off by even a few percent in a common outcome lands far above it, as
+`typical` acceptance does.
+
+The drafts come from a tree whose siblings cover most of the vocabulary, so every branch of the
+rejection sampler is exercised: accepting the 1st, 2nd or 3rd candidate, accepting at depth 1..3,
+rejecting all siblings and sampling the residual, and (with duplicate candidates) a repeated sibling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from inference import HeadsDrafter, SpeculativeGenerator, TreeDrafter
+from medusa_train.heads import DraftHeads
+
+V = 4
+N_TOKENS = 3
+PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
+PROMPT = torch.tensor([[1, 3, 0, 2, 2]])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_vocab_model(seed: int = 0, logit_scale: float = 6.0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(config).eval().double()
+    with torch.no_grad():  # spread the logits so outcomes range from rare to common
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The target's sampling distribution, computed with transformers' own warpers."""
+    scores = TemperatureLogitsWarper(temperature)(None, logits[None].float())
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, -1)[0].double()
+
+
+@torch.no_grad()
+def exact_joint(model, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """p(x1, x2, x3 | prompt) by enumeration: [V, V, V]."""
+    def dist(prefix: list[int]) -> torch.Tensor:
+        ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else PROMPT
+        return warp(model(ids).logits[0, -1], temperature, top_p)
+
+    joint = torch.zeros(V, V, V, dtype=torch.float64)
+    p1 = dist([])
+    for a in range(V):
+        p2 = dist([a])
+        for b in range(V):
+            joint[a, b] = p1[a] * p2[b] * dist([a, b])
+    return joint
+
+
+def empirical_counts(gen: SpeculativeGenerator, n: int, **kw) -> torch.Tensor:
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for seed in range(n):
+        out = gen.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, tree=PATHS, eos_token_id=[], **kw)
+        a, b, c = out.token_ids.tolist()
+        counts[a, b, c] += 1
+    return counts
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(statistic, threshold at p = 1e-5). Outcomes expected fewer than 5 times are pooled into one bin."""
+    n = counts.sum()
+    expected, observed = (probs * n).flatten(), counts.flatten()
+    small = expected < 5
+    e = torch.cat([expected[~small], expected[small].sum().view(1)])
+    o = torch.cat([observed[~small], observed[small].sum().view(1)])
+    keep = e > 0
+    assert not (o[~keep] > 0).any(), "an outcome of probability 0 was generated"
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 4.265  # standard normal quantile at 1 - 1e-5; Wilson-Hilferty approximation of the chi2 quantile
+    threshold = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, threshold
+
+
+class FixedCandidates(TreeDrafter):
+    """Proposes the same ranked candidates after every node, repeats included ([2, 2, 0] has a duplicate)."""
+
+    def __init__(self, candidates: list[int], max_depth: int = 3):
+        super().__init__()
+        self.candidates, self.max_depth = candidates, max_depth
+
+    def propose(self, k, tokens, states, num):
+        cand = torch.tensor(self.candidates[:num], device=tokens.device).expand(tokens.shape[0], -1)
+        return cand, torch.zeros(cand.shape, device=tokens.device), None
+
+
+def heads_generator(model) -> SpeculativeGenerator:
+    heads = DraftHeads.for_target(model, kind="chained", num_heads=3)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return SpeculativeGenerator(model, None, HeadsDrafter(heads, model))
+
+
+def test_lossless_sampling_matches_target_distribution():
+    model = small_vocab_model()
+    probs = exact_joint(model)
+    gen = heads_generator(model)
+    counts = empirical_counts(gen, 1500, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+
+
+def test_lossless_with_temperature_top_p_and_repeated_candidates():
+    model = small_vocab_model(seed=1)
+    probs = exact_joint(model, temperature=0.7, top_p=0.8)
+    assert (probs == 0).sum() > 8  # top_p really cuts something
+    gen = SpeculativeGenerator(model, None, FixedCandidates([2, 2, 0]))
+    counts = empirical_counts(gen, 1500, temperature=0.7, top_p=0.8)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+
+
+def test_typical_acceptance_is_lossy():
+    """Medusa's typical acceptance takes any drafted token that is likely enough, so drafted tokens are
+    over-represented: the same test rejects its distribution by a wide margin."""
+    model = small_vocab_model()
+    probs = exact_joint(model)
+    gen = heads_generator(model)
+    counts = empirical_counts(gen, 500, temperature=1.0, acceptance="typical")
+    stat, threshold = chi_square(counts, probs)
+    assert stat > 5 * threshold, (stat, threshold)
+
+
+def test_same_seed_same_sample_and_seeds_differ():
+    model = small_vocab_model()
+    gen = heads_generator(model)
+    a = gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=7, eos_token_id=[]).token_ids
+    b = gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=7, eos_token_id=[]).token_ids
+    assert a.tolist() == b.tolist()
+    others = {tuple(gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=s, eos_token_id=[]).token_ids.tolist())
+              for s in range(8)}
+    assert len(others) > 1
