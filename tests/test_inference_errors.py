@@ -1,0 +1,122 @@
+"""Bad input gets a clear error before any generation: mismatched heads, batches, over-long prompts,
+unsupported architectures, bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inference_greedy import float64_model, random_heads
+from tiny import tiny_model, tiny_tokenizer
+
+from inference import (ContextLengthError, HeadsDrafter, NGramDrafter, SpeculativeGenerator,
+                       UnsupportedModelError)
+from medusa_train.heads import HeadsMismatchError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gen():
+    model = float64_model("llama")
+    return SpeculativeGenerator(model, tiny_tokenizer(), HeadsDrafter(random_heads(model, "chained", 3), model))
+
+
+def test_heads_for_another_target_are_refused(tmp_path):
+    model_a, model_b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    random_heads(model_a, "chained", 2).save_pretrained(tmp_path / "heads")
+    with pytest.raises(HeadsMismatchError, match="differ"):
+        SpeculativeGenerator.from_pretrained(tmp_path / "heads", target=model_b, tokenizer=tiny_tokenizer())
+    with pytest.raises(HeadsMismatchError, match="hidden_size"):
+        SpeculativeGenerator.from_pretrained(tmp_path / "heads", target=tiny_model("llama", hidden=64),
+                                             tokenizer=tiny_tokenizer())
+
+
+def test_batch_of_prompts_is_refused(gen):
+    with pytest.raises(ValueError, match="batch generation is not supported.*2 prompts"):
+        gen.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=4)
+
+
+def test_over_long_prompt_is_refused_before_generating(gen):
+    class Recorder:
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+
+        def end(self):
+            pass
+
+    rec = Recorder()
+    with pytest.raises(ContextLengthError, match=r"500 tokens.*max_new_tokens \(20\).*512"):
+        gen.generate(torch.zeros(1, 500, dtype=torch.long), max_new_tokens=20, streamer=rec)
+    assert rec.puts == 0
+    # just fits: prompt + new tokens + tree depth == context
+    out = gen.generate(torch.zeros(1, 500, dtype=torch.long), max_new_tokens=9, eos_token_id=[])
+    assert len(out.token_ids) == 9
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(acceptance="greedy"), "acceptance"),
+    (dict(tree="bushy"), "tree"),
+    (dict(tree_budget=-2), "tree_budget"),
+    (dict(tree=[(0,), (-1,)]), "rank"),
+])
+def test_bad_arguments(gen, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate(torch.tensor([[1, 2, 3]]), **{"max_new_tokens": 4, **kwargs})
+
+
+def test_bad_prompts(gen):
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen.generate(torch.tensor([[1, 9999]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    no_tok = SpeculativeGenerator(gen.target, None, gen.drafter, self_check=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        no_tok.generate("hello", max_new_tokens=2)
+
+
+def test_tree_deeper_than_the_heads_is_refused(gen):
+    with pytest.raises(ValueError, match="at most 3 levels"):
+        gen.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=[(0, 0, 0, 0)])
+
+
+def test_recurrent_model_is_refused():
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    config = MambaConfig(vocab_size=260, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="mamba"):
+        SpeculativeGenerator(model, None, NGramDrafter())
+
+
+def test_model_that_post_processes_logits_is_refused():
+    """Gemma-2 soft-caps its logits after the LM head; the load self-check notices the mismatch instead of
+    sampling from the wrong distribution."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                          final_logit_softcapping=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="gemma2.*self-check"):
+        SpeculativeGenerator(model, None, NGramDrafter())
+
+
+def test_sliding_window_shorter_than_the_request_is_refused():
+    model = tiny_model("mistral", sliding_window=64)
+    gen = SpeculativeGenerator(model, None, NGramDrafter(max_depth=4))
+    with pytest.raises(ContextLengthError, match="64 tokens"):
+        gen.generate(torch.zeros(1, 50, dtype=torch.long), max_new_tokens=20)
+    assert len(gen.generate(torch.zeros(1, 50, dtype=torch.long), max_new_tokens=10, eos_token_id=[]).token_ids) == 10
