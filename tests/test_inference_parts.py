@@ -1,0 +1,201 @@
+"""Trees, drafters, loading from a heads directory, the auto budget and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from test_inference_greedy import float64_model, greedy_reference, random_heads
+from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
+
+from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
+from inference.drafters import DraftContext, load_topk_accuracy
+from inference.generate import main
+from inference.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve, select_dynamic_tree,
+                            static_tree_search, topology_from_paths, tree_attention_mask, tree_position_ids)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- trees --------------------------------------------------------------------------------------------
+
+
+def test_topology_mask_and_positions():
+    topo = topology_from_paths([(1, 0), (0,), (0, 0, 2)])  # missing prefixes are added
+    assert topo.paths == [(), (0,), (1,), (0, 0), (1, 0), (0, 0, 2)]
+    assert topo.parents.tolist() == [0, 0, 0, 1, 2, 3]
+    assert topo.depth.tolist() == [0, 1, 1, 2, 2, 3]
+    mask = tree_attention_mask(topo.ancestors, prefix_len=3, dtype=torch.float32)[0, 0]
+    assert mask.shape == (6, 9)
+    allowed = mask == 0
+    assert allowed[:, :3].all()  # everyone sees the prefix
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 2, 4}, 5: {0, 1, 3, 5}}
+    for i, seen in want.items():
+        assert set(torch.nonzero(allowed[i, 3:]).flatten().tolist()) == seen
+    assert (mask[~allowed] == torch.finfo(torch.float32).min).all()
+    assert tree_position_ids(topo.depth, 3).tolist() == [[3, 4, 4, 5, 5, 6]]
+    level2 = topo.levels[1]
+    assert level2.parents.tolist() == [1, 2] and level2.nodes.tolist() == [3, 4] and level2.rank.tolist() == [0, 0]
+
+
+def test_ancestor_matrix_of_a_chain():
+    anc = ancestor_matrix(torch.tensor([0, 0, 1, 2]), 3)
+    assert torch.equal(anc, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def _brute_force_best(acc, budget):
+    nodes = [p for d in (1, 2) for p in itertools.product(range(len(acc[0])), repeat=d)]
+    best = 0.0
+    for subset in itertools.combinations(nodes, budget):
+        if all(p[:-1] in subset or len(p) == 1 for p in subset):
+            best = max(best, expected_tau(subset, acc))
+    return best
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5])
+def test_static_tree_search_is_optimal_and_closed(budget):
+    acc = [[0.55, 0.2, 0.1], [0.4, 0.25, 0.05]]
+    paths = static_tree_search(acc, budget)
+    assert len(paths) == budget and len(set(paths)) == budget
+    assert set(complete_paths(paths)[1:]) == set(paths)  # prefix-closed
+    assert expected_tau(paths, acc) == pytest.approx(_brute_force_best(acc, budget))
+    curve = expected_tau_curve(acc, 12)
+    assert curve[budget] == pytest.approx(expected_tau(paths, acc))
+    assert all(a <= b for a, b in zip(curve, curve[1:]))  # more nodes never hurt the expectation
+
+
+def test_select_dynamic_tree_keeps_best_nodes_as_a_tree():
+    # pool: root, 3 children, each child with 2 children (depth 2); scores cumulative
+    tokens = torch.arange(10)
+    parents = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 3, 3])
+    depth = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2, 2, 2])
+    scores = torch.tensor([0.0, -0.1, -1.0, -3.0, -0.2, -2.5, -1.1, -4.0, -3.1, -3.2])
+    tree = select_dynamic_tree(tokens, parents, depth, scores, budget=4, max_depth=2)
+    assert tree.tokens.tolist() == [0, 1, 2, 4, 6]  # best four: -0.1, -0.2, -1.0, -1.1
+    assert tree.parents.tolist() == [0, 0, 0, 1, 2]
+    # a child whose score ties its parent's still comes after it
+    tree = select_dynamic_tree(tokens[:3], torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2]),
+                               torch.tensor([0.0, -0.5, -0.5]), budget=1, max_depth=2)
+    assert tree.tokens.tolist() == [0, 1]
+
+
+def test_heads_drafter_dynamic_tree_shape():
+    model = tiny_model("llama")
+    drafter = HeadsDrafter(random_heads(model, "chained", 4), model)
+    ctx = DraftContext(torch.tensor([5]), torch.randn(32), [1, 2, 5], "dynamic", budget=10)
+    tree = drafter.draft(ctx)
+    assert tree.size == 11 and tree.tokens[0] == 5
+    assert (tree.parents[1:] < torch.arange(1, 11)).all()
+    assert torch.equal(tree.depth[1:], tree.depth[tree.parents[1:]] + 1)
+    static = drafter.draft(DraftContext(torch.tensor([5]), torch.randn(32), [1, 2, 5], "static", budget=6))
+    assert static.size == 7
+
+
+# -- n-gram and bigram --------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_last_match():
+    drafter = NGramDrafter(max_ngram=2, max_depth=3, branches=2)
+    tokens = [7, 8, 1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2]
+    assert drafter.continuations(tokens, 3) == [[4, 5, 6], [3, 9, 1]]  # most recent first
+    tree = drafter.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=4))
+    # the most recent match's whole chain first, then the next branch while the budget lasts; nodes
+    # ordered by depth so parents come first
+    assert tree.tokens.tolist() == [2, 4, 3, 5, 6]
+    assert tree.parents.tolist() == [0, 0, 0, 1, 3]
+    none = drafter.draft(DraftContext(torch.tensor([42]), torch.zeros(4), [1, 2, 42], "static", budget=4))
+    assert none.size == 1
+
+
+def test_bigram_table_save_load_and_texts(tmp_path):
+    seqs = [[1, 2, 1, 2, 1, 3], [2, 1, 2, 0]]
+    drafter = BigramDrafter.from_token_ids(seqs, vocab_size=5, top_k=2)
+    # successors: 1 -> 2 (x3), 3 (x1); 2 -> 1 (x3), 0 (x1); 0 and 4 never precede: unigram fallback (1 and 2)
+    assert drafter.table[1].tolist() == [2, 3] and drafter.table[2].tolist() == [1, 0]
+    assert drafter.table[4].tolist() == [1, 2]
+    assert drafter.logq[1].exp().tolist() == pytest.approx([0.75, 0.25])
+    drafter.save(tmp_path / "bigram.safetensors")
+    loaded = BigramDrafter.load(tmp_path / "bigram.safetensors")
+    assert torch.equal(loaded.table, drafter.table) and torch.equal(loaded.logq, drafter.logq)
+    assert loaded.max_depth == drafter.max_depth
+    tok = tiny_tokenizer()
+    from_text = BigramDrafter.from_texts(["abab", "abc"], tok, top_k=2)
+    a, b = tok("a")["input_ids"][0], tok("b")["input_ids"][0]
+    assert from_text.table.shape == (len(tok), 2) and from_text.table[a, 0] == b
+    with pytest.raises(ValueError, match="vocab_size"):
+        BigramDrafter.from_token_ids([[1, 9]], vocab_size=5)
+
+
+# -- loading, auto budget, CLI ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    model = save_tiny(root / "target", "llama", seed=3)
+    heads = random_heads(model, "chained", 3, seed=1)
+    heads.spec.target_name = str(root / "target")
+    heads.save_pretrained(root / "heads")
+    acc = {"topk_accuracy": [[0.9, 0.05] + [0.0] * 8, [0.8, 0.1] + [0.0] * 8, [0.7] + [0.0] * 9], "expected_tau": 3}
+    (root / "heads" / "acceptance.json").write_text(json.dumps(acc))
+    return root
+
+
+def test_from_pretrained_loads_the_named_target_and_acceptance(heads_dir):
+    gen = SpeculativeGenerator.from_pretrained(heads_dir / "heads", device="cpu")
+    assert load_topk_accuracy(heads_dir / "heads")[0][0] == 0.9
+    assert gen.drafter.topk_accuracy()[2][0] == 0.7
+    # static tree search follows the measured rates: the chain (0.9, 0.72, 0.504), then (0, 1): 0.09 > 0.05
+    assert static_tree_search(gen.drafter.topk_accuracy(), 4) == [(0,), (0, 0), (0, 0, 0), (0, 1)]
+    ids = gen.encode("hello world")
+    out = gen.generate("hello world", max_new_tokens=15, tree="static", tree_budget=4, eos_token_id=[])
+    assert out.token_ids.tolist() == greedy_reference(gen.target, ids.cpu(), 15, eos_token_id=[]).tolist()
+
+
+def test_bad_acceptance_file_is_named(tmp_path):
+    (tmp_path / "acceptance.json").write_text(json.dumps({"topk_accuracy": 3}))
+    with pytest.raises(ValueError, match="acceptance.json"):
+        load_topk_accuracy(tmp_path)
+
+
+def test_auto_budget_is_measured_once_and_in_range():
+    model = float64_model("gpt2")
+    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "parallel", 3), model))
+    calls = []
+    measure = gen.verify_seconds
+
+    def counting():
+        calls.append(1)
+        return measure()
+
+    gen.verify_seconds = counting
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    out = gen.generate(ids, max_new_tokens=6, eos_token_id=[])
+    gen.generate(ids, max_new_tokens=6, eos_token_id=[])
+    assert len(calls) == 1
+    times = measure()
+    assert sorted(times) == [1, 2, 4, 8, 16, 32] and all(t > 0 for t in times.values())
+    assert 0 <= out.stats.tree_budget < 32 and out.stats.tree_budget == gen.auto_tree_budget()
+    assert out.token_ids.tolist() == greedy_reference(model, ids, 6, eos_token_id=[]).tolist()
+
+
+def test_cli_prints_text_and_one_stats_line(heads_dir, capsys):
+    code = main(["--heads", str(heads_dir / "heads"), "--prompt", "abc", "--max-new-tokens", "8",
+                 "--tree-budget", "3", "--device", "cpu"])
+    assert code == 0
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert lines[-1].startswith("new_tokens=") and "steps=" in lines[-1] and "tau=" in lines[-1]
+    gen = SpeculativeGenerator.from_pretrained(heads_dir / "heads", device="cpu")
+    want = gen.generate("abc", max_new_tokens=8, tree_budget=3)
+    assert "\n".join(lines[:-1]) == want.text
+    assert main(["--heads", str(heads_dir / "heads"), "--prompt", "abc", "--max-new-tokens", "-3"]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err
