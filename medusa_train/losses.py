@@ -90,6 +90,10 @@ def _chunk_loss(heads: DraftHeads, lm_head: nn.Module | None, cfg: LossConfig, s
         teacher = teacher[..., heads.draft_ids]
     teacher_logp = torch.log_softmax(teacher, dim=-1)
     del teacher
+    if cfg.distill_weight > 0:
+        # KL(p || q) = sum p log p - sum p log q; the first term is shared by all heads (no grad)
+        teacher_p = teacher_logp.exp()
+        neg_entropy = (teacher_p * teacher_logp).sum(-1)  # [B, c+K-1]
 
     loss = states.new_zeros((), dtype=torch.float32)
     stats = []
@@ -99,7 +103,7 @@ def _chunk_loss(heads: DraftHeads, lm_head: nn.Module | None, cfg: LossConfig, s
         kl = ce = mask.new_zeros(())
         if cfg.distill_weight > 0:
             # KL(p || q) per position, p = the target's distribution at t+1+k
-            kl = (F.kl_div(logq, teacher_logp[:, k:k + c], log_target=True, reduction="none").sum(-1) * mask).sum()
+            kl = ((neg_entropy[:, k:k + c] - (teacher_p[:, k:k + c] * logq).sum(-1)) * mask).sum()
         in_vocab = target_idx[k] >= 0
         if cfg.ce_weight > 0:
             nll = -logq.gather(-1, target_idx[k].clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [B, c]

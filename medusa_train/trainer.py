@@ -152,7 +152,10 @@ def _setup_accelerator(cfg: Config):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
+    # Accelerate forms a CPU (gloo) process group under torchrun only when asked for the CPU explicitly
+    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     return Accelerator(
+        cpu=multi_cpu,
         gradient_accumulation_steps=cfg.train.grad_accum,
         # the schedule counts optimizer steps; stepping it once per step keeps it independent of world size
         step_scheduler_with_optimizer=False,
@@ -325,6 +328,7 @@ def train(cfg: Config) -> TrainResult:
                     stop.requested = bool(accelerator.reduce(flag, "max") > 0)
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
                     save_checkpoint(accelerator, cfg, position)
+                    t_log = time.perf_counter()  # tokens/s measures training, not saving
                 if last or stop.requested:
                     break
             else:  # the epoch ran out

@@ -230,6 +230,9 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
         env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # one process group of two (not two independent runs): each rank saved its own RNG state
+    assert sorted(p.name for p in (two / "checkpoints" / "step-3").glob("random_states_*")) == \
+        ["random_states_0.pkl", "random_states_1.pkl"]
     one = ws / "ga2"
     train(config(ws, "ga2", "train.batch_size=2", "train.grad_accum=2", *common))
     assert max_diff(one, two) <= 1e-5
@@ -245,3 +248,66 @@ def test_warmup_cosine_schedule():
     assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
     assert lr[10] == pytest.approx(0.1) and all(a >= b for a, b in zip(lr[2:], lr[3:]))
     assert lr[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
+    """The loss written position by position, straight from the definition, full logits, no chunks."""
+    from medusa_train.target import target_hidden
+
+    h = target_hidden(target, ids, mask)
+    states = heads(h, ids, target.get_input_embeddings())
+    lm_head = target.get_output_embeddings()
+    teacher = lm_head(h).float()
+    K, B, T, _ = states.shape
+    total = 0.0
+    for k in range(K):
+        head_sum, n = 0.0, 0
+        for b in range(B):
+            for t in range(T - 2 - k):
+                u = t + 2 + k  # the token head k (0-based) guesses at position t
+                if labels[b, u] == -100 or not mask[b, u] or not mask[b, t]:
+                    continue
+                logq = torch.log_softmax(heads.logits(k, states[k, b, t], lm_head).float(), -1)
+                p_logits = teacher[b, t + 1 + k]
+                logp = torch.log_softmax(p_logits[heads.draft_ids] if heads.spec.draft_vocab_size else p_logits, -1)
+                kl = (logp.exp() * (logp - logq)).sum()
+                where = (heads.draft_ids == ids[b, u]).nonzero() if heads.spec.draft_vocab_size else ids[b, u].view(1, 1)
+                ce = -logq[where[0, 0]] if len(where) else 0.0  # tokens outside a draft vocab are skipped
+                head_sum, n = head_sum + cfg.distill_weight * kl + cfg.ce_weight * ce, n + 1
+        total = total + cfg.decay ** k * head_sum / max(n, 1)
+    return total
+
+
+@pytest.mark.parametrize("kind, draft", [("chained", False), ("parallel", False), ("chained", True)])
+def test_chunked_checkpointed_loss_equals_the_definition(kind, draft):
+    """Any chunk size gives the loss and gradients of the position-by-position definition."""
+    from tiny import tiny_model
+
+    from medusa_train.config import LossConfig
+    from medusa_train.losses import HeadsObjective
+    from medusa_train.target import target_hidden
+
+    torch.manual_seed(0)
+    target = tiny_model("llama")
+    heads = DraftHeads.for_target(target, kind, 3, draft_ids=torch.randperm(260)[:50].sort().values if draft else None)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, 260, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 7:] = -100
+    cfg = LossConfig(distill_weight=1.0, ce_weight=0.5, decay=0.8)
+    ref = naive_loss(heads, target, ids, labels, mask, cfg)
+    ref_grads = torch.autograd.grad(ref, list(heads.parameters()))
+    h = target_hidden(target, ids, mask)
+    for chunk in (1, 4, 1000):
+        cfg.chunk_size = chunk
+        loss, stats = HeadsObjective(heads, cfg)(h, ids, labels, mask, target.get_input_embeddings(),
+                                                  target.get_output_embeddings())
+        grads = torch.autograd.grad(loss, list(heads.parameters()))
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+        assert all(torch.allclose(g, r, atol=1e-7, rtol=1e-4) for g, r in zip(grads, ref_grads))
+        assert stats[:, 0].tolist() == [11, 10, 8]  # supervised positions per head
