@@ -17,6 +17,7 @@ the best nodes under the budget). The budget counts draft nodes; the root comes 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, select_dynamic_tree,
@@ -79,7 +81,7 @@ class TreeDrafter(Drafter):
     """Drafters that score top-k candidates per node (`propose`), so they can fill static and dynamic
     trees with the same code. Subclasses implement `propose` and `root_state`."""
 
-    dynamic_topk: int = 8  # EAGLE-2: children per expanded node, and nodes expanded per depth
+    dynamic_topk: int = 8  # EAGLE-2: at most this many children per expanded node / nodes expanded per depth
     max_candidates: int = 1 << 30  # most candidates `propose` can rank per node
 
     def __init__(self) -> None:
@@ -133,7 +135,9 @@ class TreeDrafter(Drafter):
     def draft_dynamic(self, ctx: DraftContext) -> Tree:
         """EAGLE-2: expand the `dynamic_topk` best frontier nodes per depth by their top-k children, scored
         by cumulative draft log-probability; keep the best `budget` nodes of the pool."""
-        width = max(1, min(self.dynamic_topk, ctx.budget, self.max_candidates))
+        # expansion width ~ sqrt(budget): every expanded node costs a head row (an LM-head matmul), and a
+        # pool much wider than the budget is mostly thrown away
+        width = max(1, min(self.dynamic_topk, math.ceil(math.sqrt(ctx.budget)) + 1, ctx.budget, self.max_candidates))
         device = ctx.root.device
         s0 = self.root_state(ctx)
         pool_tokens, pool_parents = [ctx.root], [torch.zeros(1, dtype=torch.long, device=device)]
@@ -178,6 +182,11 @@ class HeadsDrafter(TreeDrafter):
         self.max_depth = heads.spec.num_heads
         self.chained = heads.spec.kind == "chained"
         self._topk_accuracy = topk_accuracy
+        # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once
+        # instead of at every call (the same product `heads.logits` computes)
+        self._draft_lm_weight = None
+        if heads.spec.draft_vocab_size and heads.lm_heads is None:
+            self._draft_lm_weight = self.lm_head.weight[self.heads.draft_ids].contiguous()
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:
@@ -191,21 +200,36 @@ class HeadsDrafter(TreeDrafter):
     def topk_accuracy(self) -> list[list[float]]:
         return self._topk_accuracy or default_topk_accuracy(self.max_depth)
 
+    def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
+        """Head k's logits over the scored vocabulary: [M, V_draft]."""
+        if self._draft_lm_weight is not None:
+            return F.linear(s, self._draft_lm_weight)
+        return self.heads.logits(k, s, self.lm_head)
+
     def root_state(self, ctx: DraftContext) -> torch.Tensor:
-        return self.heads.start(ctx.hidden[None].to(self.lm_head.weight.dtype))  # s_0: [1, d]
+        s0 = self.heads.start(ctx.hidden[None].to(self.lm_head.weight.dtype))  # s_0: [1, d]
+        if not self.chained:
+            # parallel heads all read h_t: score every head now, in one pass over a shared LM head (one
+            # read of its weight instead of K), and let `propose` take head k's row
+            states = torch.cat([self.heads.step(k, s0, None) for k in range(self.max_depth)])  # [K, d]
+            if self.heads.lm_heads is None:
+                logits = self.head_logits(0, states)  # [K, V_draft]
+            else:
+                logits = torch.cat([self.head_logits(k, states[k:k + 1]) for k in range(self.max_depth)])
+            self._parallel_logits = logits.float()
+        return s0
 
     def propose(self, k, tokens, states, num):
         if self.chained:
-            s = self.heads.step(k, states, tokens, self.embed)  # [M, d]: s_{k+1}, read token at depth k
+            s = self.heads.step(k, states, tokens, self.embed)  # [M, d]: s_{k+1}, reads the token at depth k
+            logits = self.head_logits(k, s).float()  # [M, V_draft]
         else:
-            s = self.heads.step(k, states[:1], None)  # parallel heads read h_t only: one row serves all
-        logq = torch.log_softmax(self.heads.logits(k, s, self.lm_head).float(), dim=-1)
-        top = torch.topk(logq, num, dim=-1)
+            s, logits = states, self._parallel_logits[k:k + 1]  # [1, V_draft], the same for every node
+        top = torch.topk(logits, num, dim=-1)
+        logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)  # log-probs of the candidates only
         cand = self.heads.to_target_ids(top.indices)
-        if not self.chained:
-            m = tokens.shape[0]
-            return cand.expand(m, -1), top.values.expand(m, -1), states
-        return cand, top.values, s
+        m = tokens.shape[0]
+        return cand.expand(m, -1), logq.expand(m, -1), s
 
 
 def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:
