@@ -56,6 +56,7 @@ class Drafter:
     prior for static tree search and the auto budget: [depth][rank] acceptance probabilities."""
 
     max_depth: int = 0
+    max_candidates: int = 1 << 30  # most candidates ranked per node (static trees use ranks below this)
 
     def draft(self, ctx: DraftContext) -> Tree:
         raise NotImplementedError
@@ -65,7 +66,7 @@ class Drafter:
 
     def expected_tau(self, max_budget: int) -> list[float]:
         """Expected tokens per step of the best static tree for every budget 0..max_budget."""
-        return expected_tau_curve(self.topk_accuracy(), max_budget)
+        return expected_tau_curve([row[:self.max_candidates] for row in self.topk_accuracy()], max_budget)
 
     def reset(self) -> None:
         """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""
@@ -82,7 +83,6 @@ class TreeDrafter(Drafter):
     trees with the same code. Subclasses implement `propose` and `root_state`."""
 
     dynamic_topk: int = 8  # EAGLE-2: at most this many children per expanded node / nodes expanded per depth
-    max_candidates: int = 1 << 30  # most candidates `propose` can rank per node
 
     def __init__(self) -> None:
         self._topologies: dict[Any, TreeTopology] = {}
@@ -103,7 +103,15 @@ class TreeDrafter(Drafter):
     def topology(self, tree: TreeSpec, budget: int, device: torch.device) -> TreeTopology:
         key = (tree if isinstance(tree, str) else tuple(map(tuple, tree)), budget, str(device))
         if key not in self._topologies:
-            paths = static_tree_search(self.topk_accuracy(), budget) if tree == "static" else tree
+            if tree == "static":
+                acc = [row[:self.max_candidates] for row in self.topk_accuracy()]
+                paths = static_tree_search(acc, budget)
+            else:
+                paths = tree
+                worst = max((r for p in paths for r in p), default=0)
+                if worst >= self.max_candidates:
+                    raise ValueError(f"tree path asks for candidate rank {worst}, but this drafter ranks at most "
+                                     f"{self.max_candidates} candidates per node: use ranks < {self.max_candidates}")
             self._topologies[key] = topology_from_paths(paths, device)
         return self._topologies[key]
 
@@ -180,6 +188,7 @@ class HeadsDrafter(TreeDrafter):
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.max_depth = heads.spec.num_heads
+        self.max_candidates = heads.spec.scored_vocab
         self.chained = heads.spec.kind == "chained"
         self._topk_accuracy = topk_accuracy
         # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once

@@ -77,7 +77,8 @@ def exact_joint(model, temperature: float = 1.0, top_p: float = 1.0) -> torch.Te
 def empirical_counts(gen: SpeculativeGenerator, n: int, **kw) -> torch.Tensor:
     counts = torch.zeros(V, V, V, dtype=torch.float64)
     for seed in range(n):
-        out = gen.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, tree=PATHS, eos_token_id=[], **kw)
+        out = gen.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, tree=PATHS, tree_budget=0, eos_token_id=[],
+                           **kw)
         a, b, c = out.token_ids.tolist()
         counts[a, b, c] += 1
     return counts
@@ -153,9 +154,18 @@ def test_typical_acceptance_is_lossy():
 def test_same_seed_same_sample_and_seeds_differ():
     model = small_vocab_model()
     gen = heads_generator(model)
-    a = gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=7, eos_token_id=[]).token_ids
-    b = gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=7, eos_token_id=[]).token_ids
+    kw = dict(max_new_tokens=8, temperature=1.0, eos_token_id=[], tree="static", tree_budget=6)
+    a = gen.generate(PROMPT, seed=7, **kw).token_ids
+    b = gen.generate(PROMPT, seed=7, **kw).token_ids
     assert a.tolist() == b.tolist()
-    others = {tuple(gen.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=s, eos_token_id=[]).token_ids.tolist())
-              for s in range(8)}
-    assert len(others) > 1
+    assert len({tuple(gen.generate(PROMPT, seed=s, **kw).token_ids.tolist()) for s in range(8)}) > 1
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_trees_never_ask_for_more_candidates_than_the_vocabulary(tree):
+    model = small_vocab_model()
+    gen = heads_generator(model)
+    out = gen.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=0, tree=tree, tree_budget=40, eos_token_id=[])
+    assert len(out.token_ids) == 6
+    with pytest.raises(ValueError, match="rank 5.*at most 4"):
+        gen.generate(PROMPT, max_new_tokens=6, tree=[(5,)])
