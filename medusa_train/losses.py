@@ -8,10 +8,10 @@ and guesses x_{t+2+k}. It is scored against
 with weight `decay**k`, at positions where labels[t+2+k] != -100 (and t+2+k < T, and both ends attended).
 Each head's loss is a mean over its supervised positions; the total is the weighted sum over heads.
 
-Memory: vocab-sized logits are computed per chunk of positions inside `torch.utils.checkpoint`, so the
-forward keeps only the [K, B, chunk, d] states; a chunk's logits (teacher included) exist only while that
-chunk is being computed or recomputed in backward. The teacher's logits `lm_head(h)` are computed once per
-chunk and shared by all heads (head k reads them shifted by k).
+Memory and compute: vocab-sized logits are computed per chunk of positions, and `FusedHeadLoss` turns
+each head's chunk into its loss and its d-sized gradient at once, so no [chunk, V] tensor is kept for
+backward or recomputed. The teacher's logits `lm_head(h)` are computed once per chunk and shared by all
+heads (head k reads them shifted by k).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import LossConfig
 from .heads import DraftHeads
@@ -75,52 +74,60 @@ def teacher_logits(lm_head: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return lm_head(h.to(lm_head.weight.dtype)).float()
 
 
-def _chunk_loss(heads: DraftHeads, lm_head: nn.Module | None, cfg: LossConfig, states: torch.Tensor,
-                h_next: torch.Tensor, target_idx: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor,
-                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and statistics for one chunk of c positions.
+class FusedHeadLoss(torch.autograd.Function):
+    """One head's logits, KL/CE loss and gradient in a single pass over a chunk of n positions.
 
-    states [K, B, c, d]; h_next [B, c+K-1, d] (target hidden states at t+1 .. t+c+K-1);
-    target_idx / target_ids / valid [K, B, c]; scale [K] = decay**k / supervised count of head k.
+    The gradient of the loss with respect to the logits is analytic,
+        dL/dz = w * (distill_w * (q - p) + ce_w * (q - onehot(y))),
+    so forward computes it right away and keeps only d-sized gradients for backward: the [n, V] logits
+    live for the duration of this call and are never recomputed (2 vocab matmuls per head instead of the
+    3 a checkpointed chunk needs, 3 when the head owns its LM head).
     """
-    K, _, c, _ = states.shape
-    teacher = teacher_logits(lm_head, h_next)  # [B, c+K-1, V]
-    teacher_top = teacher.argmax(-1)  # the target's greedy token, as a target id
-    if heads.spec.draft_vocab_size:  # soft labels renormalised over the draft vocabulary
-        teacher = teacher[..., heads.draft_ids]
-    teacher_logp = torch.log_softmax(teacher, dim=-1)
-    del teacher
-    if cfg.distill_weight > 0:
-        # KL(p || q) = sum p log p - sum p log q; the first term is shared by all heads (no grad)
-        teacher_p = teacher_logp.exp()
-        neg_entropy = (teacher_p * teacher_logp).sum(-1)  # [B, c+K-1]
 
-    loss = states.new_zeros((), dtype=torch.float32)
-    stats = []
-    for k in range(K):
-        logq = torch.log_softmax(head_logits(heads, k, states[k], lm_head), dim=-1)  # [B, c, Vs]
-        mask = valid[k].float()
-        kl = ce = mask.new_zeros(())
-        if cfg.distill_weight > 0:
-            # KL(p || q) per position, p = the target's distribution at t+1+k
-            kl = ((neg_entropy[:, k:k + c] - (teacher_p[:, k:k + c] * logq).sum(-1)) * mask).sum()
-        in_vocab = target_idx[k] >= 0
-        if cfg.ce_weight > 0:
-            nll = -logq.gather(-1, target_idx[k].clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [B, c]
-            ce = (nll * (mask * in_vocab)).sum()
-        loss = loss + scale[k] * (cfg.distill_weight * kl + cfg.ce_weight * ce)
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, weight: torch.Tensor, teacher_logp: torch.Tensor | None,
+                target_idx: torch.Tensor, pos_weight: torch.Tensor, distill_w: float, ce_w: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # states [n, d] (weight's dtype); weight [V, d]; teacher_logp [n, V] fp32 or None;
+        # target_idx [n] (-1: not in the scored vocab); pos_weight [n] = mask * decay**k / count
+        logq = torch.log_softmax((states @ weight.t()).float(), dim=-1)  # [n, V]
+        top5 = logq.topk(min(5, logq.shape[-1]), dim=-1).indices  # [n, 5], for the metrics
+        mask = (pos_weight != 0).float()
+        in_vocab = (target_idx >= 0).float()
+        y = target_idx.clamp_min(0).unsqueeze(-1)
+        kl = ce = logq.new_zeros(logq.shape[0])
+        q = logq.exp()
+        grad = q * (pos_weight * (distill_w + ce_w * in_vocab)).unsqueeze(-1)  # [n, V]; built in place below
+        if distill_w > 0:
+            p = teacher_logp.exp()
+            kl = (p * (teacher_logp - logq)).sum(-1)
+            grad.sub_(p.mul_((pos_weight * distill_w).unsqueeze(-1)))
+            del p
+        if ce_w > 0:
+            ce = -logq.gather(-1, y).squeeze(-1)
+            grad.scatter_add_(-1, y, -(pos_weight * ce_w * in_vocab).unsqueeze(-1))
+        del q, logq
+        loss = (pos_weight * (distill_w * kl + ce_w * in_vocab * ce)).sum()
+        grad_states = (grad.to(weight.dtype) @ weight) if ctx.needs_input_grad[0] else None  # [n, d]
+        grad_weight = (grad.t().to(states.dtype) @ states) if ctx.needs_input_grad[1] else None  # [V, d]
+        ctx.save_for_backward(grad_states, grad_weight)
+        ctx.mark_non_differentiable(top5)
+        return loss, (kl * mask).sum().detach(), (ce * mask * in_vocab).sum().detach(), top5
 
-        with torch.no_grad():  # accuracies as target ids, kept on device
-            top5 = heads.to_target_ids(logq.topk(min(5, logq.shape[-1]), dim=-1).indices)  # [B, c, 5]
-            greedy = teacher_top[:, k:k + c].unsqueeze(-1)
-            data = target_ids[k].unsqueeze(-1)
-            stats.append(torch.stack([
-                mask.sum(), kl.detach(), ce.detach(),
-                ((top5[..., :1] == greedy).any(-1) * mask).sum(), ((top5 == greedy).any(-1) * mask).sum(),
-                ((top5[..., :1] == data).any(-1) * mask).sum(), ((top5 == data).any(-1) * mask).sum(),
-                (~in_vocab * mask).sum(),
-            ]).float())
-    return loss, torch.stack(stats)
+    @staticmethod
+    def backward(ctx, grad_loss, _kl, _ce, _top5):
+        grad_states, grad_weight = ctx.saved_tensors
+        return (None if grad_states is None else grad_states * grad_loss,
+                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
+
+
+def scoring_weight(heads: DraftHeads, k: int, lm_head: nn.Module | None) -> torch.Tensor:
+    """The [V_scored, d] matrix head k's logits come from (its own LM head, or the target's rows)."""
+    if heads.lm_heads is not None:
+        return heads.lm_heads[k].weight
+    if lm_head is None:
+        raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
+    return lm_head.weight[heads.draft_ids] if heads.spec.draft_vocab_size else lm_head.weight
 
 
 def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
@@ -130,31 +137,54 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
 
     states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states;
     `lm_head` the target's frozen LM head (the teacher, and the heads' scorer unless they own one).
-    Positions are processed in chunks of about `cfg.chunk_size` (over B x T); each chunk is checkpointed,
-    so its vocab-sized tensors are freed after its forward and rebuilt one chunk at a time in backward.
+    Positions are processed in chunks of about `cfg.chunk_size` (over B x T); within a chunk the teacher's
+    logits are computed once and shared by all heads, and each head's vocab-sized tensors exist only
+    inside its `FusedHeadLoss` call.
     """
-    K, B, T, _ = states.shape
+    K, B, T, d = states.shape
     target_ids, valid = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]
     target_idx = draft_index(heads, target_ids)
     counts = valid.sum(dim=(1, 2)).float()  # [K]; stays on device
     decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
-    scale = decay / counts.clamp_min(1)
+    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     h_next = shift_left(h, 1, 0.0)  # h_next[:, u] = h[:, u+1]
-    h_next = torch.cat([h_next, h_next.new_zeros(B, K, h.shape[-1])], dim=1)  # room for the last chunk's heads
+    h_next = torch.cat([h_next, h_next.new_zeros(B, K, d)], dim=1)  # room for the last chunk's heads
+    weights = [scoring_weight(heads, k, lm_head) for k in range(K)]
 
     step = max(1, cfg.chunk_size // B)  # positions along T per chunk
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
     for a in range(0, T, step):
         b = min(a + step, T)
-        args = (states[:, :, a:b], h_next[:, a:b + K - 1], target_idx[:, :, a:b], target_ids[:, :, a:b],
-                valid[:, :, a:b], scale)
-        if torch.is_grad_enabled() and states.requires_grad:
-            chunk_loss, chunk_stats = checkpoint(_chunk_loss, heads, lm_head, cfg, *args, use_reentrant=False)
-        else:
-            chunk_loss, chunk_stats = _chunk_loss(heads, lm_head, cfg, *args)
-        loss = loss + chunk_loss
-        stats = stats + chunk_stats
+        c = b - a
+        teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1])  # [B, c+K-1, V], no grad
+        teacher_top = teacher.argmax(-1)  # the target's greedy token, as a target id
+        teacher_logp = None
+        if cfg.distill_weight > 0:  # soft labels, renormalised over the draft vocabulary if there is one
+            if heads.spec.draft_vocab_size:
+                teacher = teacher[..., heads.draft_ids]
+            teacher_logp = torch.log_softmax(teacher, dim=-1)
+        del teacher
+        for k in range(K):
+            w = weights[k]
+            s = states[k, :, a:b].reshape(B * c, d).to(w.dtype)
+            p_k = None if teacher_logp is None else teacher_logp[:, k:k + c].reshape(B * c, -1)
+            head_loss, kl, ce, top5 = FusedHeadLoss.apply(
+                s, w, p_k, target_idx[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
+                cfg.distill_weight, cfg.ce_weight)
+            loss = loss + head_loss
+            with torch.no_grad():  # accuracies as target ids, kept on device
+                mask = valid[k, :, a:b].reshape(-1).float()
+                top5 = heads.to_target_ids(top5)
+                greedy = teacher_top[:, k:k + c].reshape(-1, 1)
+                data = target_ids[k, :, a:b].reshape(-1, 1)
+                in_vocab = target_idx[k, :, a:b].reshape(-1) >= 0
+                stats[k] += torch.stack([
+                    mask.sum(), kl, ce,
+                    ((top5[:, :1] == greedy).any(-1) * mask).sum(), ((top5 == greedy).any(-1) * mask).sum(),
+                    ((top5[:, :1] == data).any(-1) * mask).sum(), ((top5 == data).any(-1) * mask).sum(),
+                    (~in_vocab * mask).sum(),
+                ]).float()
     return loss, stats
 
 

@@ -278,8 +278,9 @@ def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
     return total
 
 
-@pytest.mark.parametrize("kind, draft", [("chained", False), ("parallel", False), ("chained", True)])
-def test_chunked_checkpointed_loss_equals_the_definition(kind, draft):
+@pytest.mark.parametrize("kind, draft, own", [("chained", False, False), ("parallel", False, False),
+                                              ("chained", True, False), ("chained", True, True)])
+def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     """Any chunk size gives the loss and gradients of the position-by-position definition."""
     from tiny import tiny_model
 
@@ -289,7 +290,8 @@ def test_chunked_checkpointed_loss_equals_the_definition(kind, draft):
 
     torch.manual_seed(0)
     target = tiny_model("llama")
-    heads = DraftHeads.for_target(target, kind, 3, draft_ids=torch.randperm(260)[:50].sort().values if draft else None)
+    heads = DraftHeads.for_target(target, kind, 3, own_lm_head=own, own_embed=own,
+                                  draft_ids=torch.randperm(260)[:50].sort().values if draft else None)
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
