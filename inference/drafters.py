@@ -261,7 +261,8 @@ def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None
 class NGramDrafter(Drafter):
     """Prompt lookup: find the last `n` tokens (n = max_ngram..min_ngram) earlier in the context and
     propose the tokens that followed, up to `max_depth` of them. Up to `branches` distinct continuations
-    (most recent match first) are merged into a tree of at most `budget` draft nodes."""
+    (most recent match first) are merged into a tree of at most `budget` draft nodes; the tree's shape
+    comes from the matches, so the `tree` setting is ignored."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 5, branches: int = 2,
                  max_context: int = 4096):
