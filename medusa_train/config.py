@@ -102,6 +102,10 @@ class TrainConfig:
     """Checkpoint every this-many steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Rotate `output_dir/checkpoints/step-N`, keeping the newest this-many."""
+    cache_hidden: bool = False
+    """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
+    epoch after the first skips the target forward (costs d x 4 bytes per token: for small targets and
+    datasets, such as the offline default)."""
 
 
 @dataclass

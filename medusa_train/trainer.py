@@ -139,6 +139,32 @@ def full_params(accelerator, model):
     return contextlib.nullcontext()
 
 
+class HiddenCache:
+    """The frozen target's hidden states per training row, kept on the CPU (`train.cache_hidden`).
+
+    The target never changes, so h for a row is the same every epoch: after the first, a batch whose rows
+    are all cached skips the target forward (the dominant cost when heads are small).
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        index = batch["row_index"].tolist()  # a small host read, once per micro-step
+        lengths = mask.sum(1).tolist()
+        if all(i in self.rows for i in index):
+            cached = [self.rows[i] for i in index]
+            h = torch.zeros(ids.shape[0], ids.shape[1], cached[0].shape[-1], dtype=cached[0].dtype)
+            for b, row in enumerate(cached):
+                h[b, :row.shape[0]] = row
+            return h.to(ids.device, non_blocking=True)
+        h = target_hidden(target, ids, mask)
+        for b, (i, n) in enumerate(zip(index, lengths)):
+            self.rows[i] = h[b, :n].detach().to("cpu", copy=True)
+        return h
+
+
 def append_metrics(output_dir: str | os.PathLike, row: dict[str, Any]) -> None:
     with open(Path(output_dir) / METRICS_NAME, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -236,6 +262,10 @@ def train(cfg: Config) -> TrainResult:
     objective = HeadsObjective(heads, cfg.loss)
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.train.lr,
                                   weight_decay=cfg.train.weight_decay)
+    cache = None
+    if cfg.train.cache_hidden:
+        cache = HiddenCache()
+        train_ds = train_ds.add_column("row_index", list(range(len(train_ds))))
     train_dl, eval_dl = _setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
@@ -277,7 +307,8 @@ def train(cfg: Config) -> TrainResult:
             for batch in batches:
                 with accelerator.accumulate(objective):
                     ids, mask = batch["input_ids"], batch["attention_mask"]
-                    h = target_hidden(target, ids, mask)  # [B, T, d], no grad
+                    # [B, T, d], no grad; from the cache after the first epoch when train.cache_hidden
+                    h = cache.hidden(target, batch) if cache is not None else target_hidden(target, ids, mask)
                     loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:

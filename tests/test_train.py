@@ -313,3 +313,20 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
         assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
         assert all(torch.allclose(g, r, atol=1e-7, rtol=1e-4) for g, r in zip(grads, ref_grads))
         assert stats[:, 0].tolist() == [11, 10, 8]  # supervised positions per head
+
+
+def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
+    """train.cache_hidden reuses the frozen target's h from the first epoch; nothing else may change."""
+    import medusa_train.trainer as trainer
+
+    cfg, _ = run20
+    calls = []
+    real = trainer.target_hidden
+    monkeypatch.setattr(trainer, "target_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    result = train(config(ws, "cached", "train.max_steps=20", "train.save_every=10", "eval.every=10",
+                          "train.cache_hidden=true"))
+    assert result.step == 20
+    assert [r["train/epoch"] for r in read_jsonl(ws / "cached" / "metrics.jsonl") if "train/loss" in r][-1] >= 1
+    assert max_diff(Path(cfg.output_dir), ws / "cached") <= 1e-6
+    # without the cache every one of the 20 micro-steps runs the target; with it only the first epoch's do
+    assert 0 < len(calls) < 20
