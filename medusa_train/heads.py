@@ -152,6 +152,10 @@ class ChainedBlock(nn.Module):
         self.emb_scale = emb_scale
         self.extra = nn.ModuleList(ResBlock(dim) for _ in range(extra_layers))
         nn.init.eye_(self.proj.weight)  # start by carrying the previous state through
+        # A small output scale makes an untrained head's guess nearly uniform instead of confidently wrong:
+        # on SmolLM2-135M head 1 starts at KL ~28 nats from the target with scale 1 (uniform is ~10), and
+        # after 60 steps is more accurate (top-1 0.14 vs 0.12).
+        nn.init.constant_(self.ln.weight, 0.1)
 
     def forward(self, s_prev: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         s = F.gelu(self.ln(self.proj(s_prev) + self.emb_scale * e))
