@@ -17,7 +17,6 @@ heads (head k reads them shifted by k).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import LossConfig

@@ -14,14 +14,6 @@ from inference.kv import cache_length, cache_tensors, compact_cache, new_cache
 from inference.verify import target_forward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def plain_cache(model, tokens: list[int]):
     cache = new_cache()

@@ -13,14 +13,6 @@ from inference import (ContextLengthError, HeadsDrafter, NGramDrafter, Speculati
 from medusa_train.heads import HeadsMismatchError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def gen():

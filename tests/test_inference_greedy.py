@@ -20,14 +20,6 @@ from medusa_train.heads import DraftHeads
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def float64_model(arch: str, seed: int = 0):
     return tiny_model(arch, seed=seed).double()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from test_inference_greedy import float64_model, greedy_reference, random_heads
-from tiny import VOCAB, save_tiny, tiny_model, tiny_tokenizer
+from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, load_topk_accuracy
@@ -16,14 +16,6 @@ from inference.generate import main
 from inference.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve, select_dynamic_tree,
                             static_tree_search, topology_from_paths, tree_attention_mask, tree_position_ids)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- trees --------------------------------------------------------------------------------------------

@@ -30,14 +30,6 @@ PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
 PROMPT = torch.tensor([[1, 3, 0, 2, 2]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run ~100x slower with two contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def small_vocab_model(seed: int = 0, logit_scale: float = 6.0):
     torch.manual_seed(seed)

@@ -25,14 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: one intra-op thread per process is several times faster than two fighting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
