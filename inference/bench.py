@@ -209,7 +209,7 @@ def run_benchmark(runners: dict[str, Runner], prompts: Sequence[torch.Tensor], m
             if any(out != reference for out in outputs[name]):
                 totals[name].mismatches.append(i)
         if log is not None:
-            rates = "  ".join(f"{n} {sum(map(len, outputs[n])) / max(totals[n].seconds, 1e-9):.0f}" for n in names)
+            rates = "  ".join(f"{n} {totals[n].tokens / max(totals[n].seconds, 1e-9):.1f}" for n in names)
             log(f"[bench] prompt {i + 1}/{len(prompts)}: {len(reference)} tokens; cumulative tok/s: {rates}")
     ar_rate = totals["ar"].tokens / max(totals["ar"].seconds, 1e-9)
     summary = {}
