@@ -51,6 +51,10 @@ class HeadsConfig:
     """K: head k predicts token x_{t+1+k}."""
     layers_per_head: int = 1
     """Blocks per head. Chained heads export to vLLM's mlp_speculator only with 1."""
+    block: Literal["residual", "mlp_speculator"] = "residual"
+    """Chained block. `residual`: s_k = s_{k-1} + silu(W [s_{k-1}; embed(x)] + b), zero-initialised so a head
+    starts as the target's own guess (learns fastest with the target's frozen LM head). `mlp_speculator`:
+    vLLM's serving format for chained heads, exportable with `DraftHeads.export_mlp_speculator`."""
     own_embed: bool = False
     """Give the heads their own (trainable) token embedding instead of the target's frozen one."""
     own_lm_head: bool = False

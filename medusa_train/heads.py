@@ -3,8 +3,14 @@
 Notation (DESIGN.md): h_t is the target's final post-norm hidden state; head k (1-based) predicts
 x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
 
-- chained: s_0 = h_t; s_k = block_k(s_{k-1}, embed(x_{t+k})); logits_k = lm_head(s_k). The block is
-  exactly vLLM's `mlp_speculator` step, so a chained checkpoint exports to that serving format:
+- chained: s_0 = h_t; s_k = block_k(s_{k-1}, embed(x_{t+k})); logits_k = lm_head(s_k), with one of two
+  blocks (`heads.block`):
+  - `residual` (default): s = s_prev + silu(W [s_prev; embed(x)] + b), zero-initialised, so an untrained
+    head starts as the target's own next-token guess and the state keeps the shape the target's LM head
+    reads (Hydra-style). On SmolLM2 it learns far faster than the mlp_speculator block with the target's
+    frozen LM head, whose GELU output cannot take negative values.
+  - `mlp_speculator`: exactly vLLM's `mlp_speculator` step, so the checkpoint exports to that serving
+    format (`export_mlp_speculator`):
       s = proj_k(s_prev) + (emb_weight / state_weight) * embed(x)
       s = gelu(ln_k(s))                     # ln: RMS-normalise, then elementwise scale and shift
 - parallel: s_k = blocks_k(h_t), each block x + silu(W x + b), zero-initialised so an untrained head
@@ -46,6 +52,7 @@ class HeadsSpec:
     hidden_size: int
     vocab_size: int
     layers_per_head: int = 1
+    block: Literal["residual", "mlp_speculator"] = "residual"
     own_embed: bool = False
     own_lm_head: bool = False
     draft_vocab_size: int = 0
@@ -142,6 +149,23 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+class ResidualChainedBlock(nn.Module):
+    """s = s_prev + silu(W [s_prev; e] + b), zero-initialised: starts by passing the previous state on."""
+
+    def __init__(self, dim: int, extra_layers: int = 0):
+        super().__init__()
+        self.fc = nn.Linear(2 * dim, dim)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+        self.extra = nn.ModuleList(ResBlock(dim) for _ in range(extra_layers))
+
+    def forward(self, s_prev: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        s = s_prev + F.silu(self.fc(torch.cat([s_prev, e], dim=-1)))
+        for block in self.extra:
+            s = block(s)
+        return s
+
+
 class ChainedBlock(nn.Module):
     """One mlp_speculator step: s = gelu(ln(proj(s_prev) + c * e)), plus optional residual blocks."""
 
@@ -175,17 +199,20 @@ class DraftHeads(nn.Module):
         super().__init__()
         self.spec = spec
         d, K = spec.hidden_size, spec.num_heads
-        if spec.kind == "chained":
+        if spec.kind == "chained" and spec.block == "mlp_speculator":
             state_weight = 0.5 ** (0.5 / K)
             emb_weight = math.sqrt((1 - state_weight**2) * (d / 2))
             self.input_norm = SpeculatorNorm(d, affine=False)  # mlp_speculator's scale_input ln0
             self.blocks = nn.ModuleList(
                 ChainedBlock(d, emb_weight / state_weight, spec.layers_per_head - 1) for _ in range(K))
+        elif spec.kind == "chained" and spec.block == "residual":
+            self.blocks = nn.ModuleList(ResidualChainedBlock(d, spec.layers_per_head - 1) for _ in range(K))
         elif spec.kind == "parallel":
             self.blocks = nn.ModuleList(
                 nn.Sequential(*[ResBlock(d) for _ in range(spec.layers_per_head)]) for _ in range(K))
         else:
-            raise ValueError(f"heads.kind must be 'chained' or 'parallel', got {spec.kind!r}")
+            raise ValueError(f"heads.kind must be 'chained' or 'parallel' and heads.block 'residual' or "
+                             f"'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
         self.embed = nn.Embedding(spec.vocab_size, d) if spec.own_embed else None
         self.lm_heads = (nn.ModuleList(nn.Linear(d, spec.scored_vocab, bias=False) for _ in range(K))
                          if spec.own_lm_head else None)
@@ -197,12 +224,12 @@ class DraftHeads(nn.Module):
     @classmethod
     def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
                    own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
-                   target_name: str = "") -> DraftHeads:
+                   target_name: str = "", block: str = "residual") -> DraftHeads:
         """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's."""
         emb = target.get_input_embeddings().weight
         out = target.get_output_embeddings().weight
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
-                         layers_per_head=layers_per_head, own_embed=own_embed, own_lm_head=own_lm_head,
+                         layers_per_head=layers_per_head, block=block, own_embed=own_embed, own_lm_head=own_lm_head,
                          draft_vocab_size=0 if draft_ids is None else len(draft_ids),
                          target_name=target_name, target_fingerprint=target_fingerprint(target))
         heads = cls(spec)
@@ -227,8 +254,8 @@ class DraftHeads(nn.Module):
         return embed(token_ids)
 
     def start(self, h: torch.Tensor) -> torch.Tensor:
-        """s_0 from the target's hidden state h_t (chained: parameter-free input scaling)."""
-        return self.input_norm(h) / math.sqrt(2) if self.spec.kind == "chained" else h
+        """s_0 from the target's hidden state h_t (mlp_speculator: parameter-free input scaling)."""
+        return self.input_norm(h) / math.sqrt(2) if hasattr(self, "input_norm") else h
 
     def step(self, k: int, s_prev: torch.Tensor, token_ids: torch.Tensor | None,
              embed: nn.Module | None = None) -> torch.Tensor:
@@ -307,9 +334,10 @@ class DraftHeads(nn.Module):
         from safetensors.torch import save_file
 
         spec = self.spec
-        if spec.kind != "chained" or spec.layers_per_head != 1 or spec.draft_vocab_size:
-            raise ValueError("mlp_speculator export needs heads.kind=chained, heads.layers_per_head=1 and "
-                             "heads.draft_vocab_size=0")
+        if spec.kind != "chained" or spec.block != "mlp_speculator" or spec.layers_per_head != 1 \
+                or spec.draft_vocab_size:
+            raise ValueError("mlp_speculator export needs heads.kind=chained, heads.block=mlp_speculator, "
+                             "heads.layers_per_head=1 and heads.draft_vocab_size=0")
         emb = (self.embed.weight if self.embed is not None else target.get_input_embeddings().weight).detach()
         state: dict[str, torch.Tensor] = {}
         for k, block in enumerate(self.blocks):

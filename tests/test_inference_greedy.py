@@ -26,8 +26,9 @@ def float64_model(arch: str, seed: int = 0):
 
 
 def random_heads(model, kind: str, num_heads: int, seed: int = 0, scale: float = 0.2) -> DraftHeads:
-    """Untrained heads, perturbed away from their identity-like initialisation."""
-    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads)
+    """Untrained heads, perturbed away from their identity-like initialisation (chained heads alternate
+    between the residual and the mlp_speculator block with the seed)."""
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, block=("residual", "mlp_speculator")[seed % 2])
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():

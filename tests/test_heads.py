@@ -1,0 +1,59 @@
+"""Heads on their own: the two chained blocks, the sensible start, and the mlp_speculator export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tiny import tiny_model
+
+from medusa_train.heads import DraftHeads
+
+
+def test_untrained_residual_and_parallel_heads_start_as_the_targets_own_guess():
+    target = tiny_model("llama")
+    h = torch.randn(2, 7, 32)
+    ids = torch.randint(0, 260, (2, 7))
+    for kind in ("chained", "parallel"):
+        heads = DraftHeads.for_target(target, kind, 3)
+        states = heads(h, ids, target.get_input_embeddings())
+        assert torch.equal(states, h.expand(3, -1, -1, -1)), kind
+
+
+def test_mlp_speculator_export_reproduces_the_heads(tmp_path):
+    """Running vLLM's mlp_speculator math on the exported tensors gives our chained heads' logits."""
+    torch.manual_seed(0)
+    target = tiny_model("llama")
+    heads = DraftHeads.for_target(target, "chained", 3, block="mlp_speculator")
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    heads.export_mlp_speculator(tmp_path, target)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    w = load_file(str(tmp_path / "model.safetensors"))
+    assert cfg["model_type"] == "mlp_speculator" and cfg["n_predict"] == 3 and cfg["emb_dim"] == 32
+    assert w["emb.0.weight"].shape == (260, 32) and w["head.2.weight"].shape == (260, 32)
+
+    h, tokens = torch.randn(5, 32), torch.randint(0, 260, (5, 3))
+    n = cfg["n_predict"]
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = (1 - state_weight**2) ** 0.5 * (cfg["inner_dim"] / 2) ** 0.5
+    rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    s = rms(h) / 2**0.5  # scale_input
+    s_ours = heads.start(h)
+    for k in range(n):
+        z = F.embedding(tokens[:, k], w[f"emb.{k}.weight"])
+        s = s @ w[f"proj.{k}.weight"].t() + z * (emb_weight / state_weight)
+        s = F.gelu(rms(s) * w[f"ln.{k}.weight"] + w[f"ln.{k}.bias"])
+        s_ours = heads.step(k, s_ours, tokens[:, k], target.get_input_embeddings())
+        ours = heads.logits(k, s_ours, target.get_output_embeddings())
+        torch.testing.assert_close(s @ w[f"head.{k}.weight"].t(), ours, atol=1e-5, rtol=1e-5)
+
+
+def test_export_refuses_heads_it_cannot_represent(tmp_path):
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="heads.block=mlp_speculator"):
+        DraftHeads.for_target(target, "chained", 2).export_mlp_speculator(tmp_path, target)
