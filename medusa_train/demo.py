@@ -27,7 +27,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
-LR = {"chained": 1e-2, "parallel": 3e-3}  # each kind's better rate in a short sweep on SmolLM2 data
 SHARED_MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench_question.jsonl"
 
 
@@ -64,7 +63,7 @@ def bench_prompts(explicit: str | None) -> tuple[str, str]:
 
 def train_cmd(target: str, data: str, kind: str, steps: int, out: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "medusa_train.cli", str(RECIPE), f"target.model={target}", f"data.dataset={data}",
-            f"heads.kind={kind}", f"train.max_steps={steps}", f"train.lr={LR[kind]}", f"train.batch_size={args.batch_size}",
+            f"heads.kind={kind}", f"train.max_steps={steps}", f"train.batch_size={args.batch_size}",
             f"data.max_length={args.max_length}", f"train.warmup_steps={max(1, steps // 20)}",
             "train.save_every=0", f"eval.every={steps}", "eval.max_batches=4",
             f"train.log_every={max(1, steps // 20)}", "tracking.backend=none", f"output_dir={out}"]
