@@ -152,7 +152,6 @@ class HiddenCache:
     def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch["attention_mask"]
         index = batch["row_index"].tolist()  # a small host read, once per micro-step
-        lengths = mask.sum(1).tolist()
         if all(i in self.rows for i in index):
             cached = [self.rows[i] for i in index]
             h = torch.zeros(ids.shape[0], ids.shape[1], cached[0].shape[-1], dtype=cached[0].dtype)
@@ -160,7 +159,7 @@ class HiddenCache:
                 h[b, :row.shape[0]] = row
             return h.to(ids.device, non_blocking=True)
         h = target_hidden(target, ids, mask)
-        for b, (i, n) in enumerate(zip(index, lengths)):
+        for b, (i, n) in enumerate(zip(index, mask.sum(1).tolist())):
             self.rows[i] = h[b, :n].detach().to("cpu", copy=True)
         return h
 
