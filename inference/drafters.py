@@ -195,7 +195,7 @@ class HeadsDrafter(TreeDrafter):
         # instead of at every call (the same product `heads.logits` computes)
         self._draft_lm_weight = None
         if heads.spec.draft_vocab_size and heads.lm_heads is None:
-            self._draft_lm_weight = self.lm_head.weight[self.heads.draft_ids].contiguous()
+            self._draft_lm_weight = heads.scoring_weight(0, self.lm_head).contiguous()
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:

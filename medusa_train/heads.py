@@ -281,15 +281,18 @@ class DraftHeads(nn.Module):
             states.append(s)
         return torch.stack(states)
 
-    def logits(self, k: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """Head k's logits over the scored vocabulary (the draft vocab if set): [..., V_draft]."""
+    def scoring_weight(self, k: int, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """The [V_scored, d] matrix head k's logits come from: its own LM head, or the target's (rows of the
+        draft vocabulary if set). Callers that score often may gather it once and keep it."""
         if self.lm_heads is not None:
-            return self.lm_heads[k](states)
+            return self.lm_heads[k].weight
         if lm_head is None:
             raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
-        if self.spec.draft_vocab_size:
-            return F.linear(states, lm_head.weight[self.draft_ids])
-        return lm_head(states)
+        return lm_head.weight[self.draft_ids] if self.spec.draft_vocab_size else lm_head.weight
+
+    def logits(self, k: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Head k's logits over the scored vocabulary (the draft vocab if set): [..., V_draft]."""
+        return F.linear(states, self.scoring_weight(k, lm_head))
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Map indices into the scored vocabulary back to target token ids."""

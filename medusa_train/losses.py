@@ -120,15 +120,6 @@ class FusedHeadLoss(torch.autograd.Function):
                 None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
 
 
-def scoring_weight(heads: DraftHeads, k: int, lm_head: nn.Module | None) -> torch.Tensor:
-    """The [V_scored, d] matrix head k's logits come from (its own LM head, or the target's rows)."""
-    if heads.lm_heads is not None:
-        return heads.lm_heads[k].weight
-    if lm_head is None:
-        raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
-    return lm_head.weight[heads.draft_ids] if heads.spec.draft_vocab_size else lm_head.weight
-
-
 def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
                         labels: torch.Tensor, attention_mask: torch.Tensor | None, lm_head: nn.Module | None,
                         cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +139,7 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     h_next = shift_left(h, 1, 0.0)  # h_next[:, u] = h[:, u+1]
     h_next = torch.cat([h_next, h_next.new_zeros(B, K, d)], dim=1)  # room for the last chunk's heads
-    weights = [scoring_weight(heads, k, lm_head) for k in range(K)]
+    weights = [heads.scoring_weight(k, lm_head) for k in range(K)]
 
     step = max(1, cfg.chunk_size // B)  # positions along T per chunk
     loss = states.new_zeros((), dtype=torch.float32)
