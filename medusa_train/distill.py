@@ -383,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     say = accelerator.print
     say(f"[distill] {len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded); "
         f"target {cfg.target.model}; {accelerator.num_processes} process(es)")
-    cfg.target.model = os.path.expanduser(cfg.target.model)  # recipes may name the prepared dir with ~
     model, tokenizer = load_target(cfg.target, device=accelerator.device)
     out = Path(args.out)
     if accelerator.is_main_process and list(out.parent.glob(f"{out.name}.rank*")):
