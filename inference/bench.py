@@ -77,9 +77,11 @@ def _first_user_turn(row: dict) -> str | None:
     return None
 
 
-def load_bench_prompts(source: str, limit: int = 0) -> list[str]:
+def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str]:
     """Prompts from a JSON/JSONL file (see `_first_user_turn`), or `default`: the held-out split of the
-    offline default pool (topics and tasks the default training split never uses)."""
+    offline default pool (topics and tasks the default training split never uses). `stride` keeps every
+    stride-th prompt (MT-Bench is ordered by category, so stride 2 keeps 5 of each category's 10), then
+    `limit` the first N of those."""
     if source == "default":
         from medusa_train.prompts import default_prompts
 
@@ -97,6 +99,7 @@ def load_bench_prompts(source: str, limit: int = 0) -> list[str]:
         texts = [t for t in (_first_user_turn(r) for r in rows if isinstance(r, dict)) if t and t.strip()]
         if not texts:
             raise BenchError(f"--prompts: no row of {source} has a `prompt`, `turns`, `question` or user message")
+    texts = texts[::stride]
     return texts[:limit] if limit > 0 else texts
 
 
@@ -111,9 +114,12 @@ def render(tokenizer, text: str) -> torch.Tensor:
 
 
 def bigram_texts(path: str) -> list[str]:
-    """Texts to count bigrams on: assistant replies of chat rows, else `text`/`output`/`answer` fields."""
+    """Texts to count bigrams on: assistant replies of chat rows, else `text`/`output`/`answer` fields.
+    `path` is a JSONL file or a directory of them (read in name order)."""
+    files = sorted(Path(path).glob("*.jsonl")) if Path(path).is_dir() else [Path(path)]
+    lines = [line for f in files for line in f.read_text(encoding="utf-8").splitlines()]
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in lines:
         if not line.strip():
             continue
         row = json.loads(line)
@@ -286,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads-parallel", default=None, help="parallel (Medusa-1) heads directory (method `parallel`)")
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
-    p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all)")
+    p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
+    p.add_argument("--stride", type=int, default=1, help="keep every stride-th prompt (MT-Bench: 2 keeps 5 per category)")
     p.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL_METHODS)} (default: every "
                                                    "method whose inputs were given)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -305,14 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _heads_training_data(heads_dir: str | None) -> str | None:
-    """data.dataset from the heads' saved recipe, if it is a local JSONL file."""
+    """data.dataset from the heads' saved recipe, if it is a local JSONL file or a directory of them."""
     if not heads_dir or not (Path(heads_dir) / "recipe.yaml").is_file():
         return None
     import yaml
 
     data = (yaml.safe_load((Path(heads_dir) / "recipe.yaml").read_text()) or {}).get("data") or {}
     path = str(data.get("dataset") or "")
-    return path if path.endswith(".jsonl") and Path(path).is_file() else None
+    if path.endswith(".jsonl") and Path(path).is_file():
+        return path
+    return path if path and Path(path).is_dir() and any(Path(path).glob("*.jsonl")) else None
 
 
 def resolve_methods(args: argparse.Namespace) -> list[str]:
@@ -352,11 +361,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; exit code 2 on bad input, before any model is loaded."""
     args = build_parser().parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.limit < 0:
-            raise BenchError("--max-new-tokens and --repeats must be >= 1, --warmup and --limit >= 0")
+        for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
+                                 ("--stride", args.stride, 1), ("--warmup", args.warmup, 0), ("--limit", args.limit, 0)):
+            if value < low:
+                raise BenchError(f"{flag} must be >= {low}, got {value}")
         budget: str | int = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
         methods = resolve_methods(args)
-        texts = load_bench_prompts(args.prompts, args.limit)
+        texts = load_bench_prompts(args.prompts, args.limit, args.stride)
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

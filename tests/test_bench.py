@@ -106,12 +106,25 @@ def test_prompt_formats(tmp_path):
     assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1) == ["Tell me about the sea."]
     held = bench.load_bench_prompts("default", limit=5)
     assert len(held) == 5 and all(isinstance(t, str) and t for t in held)
+    # stride keeps every n-th prompt (a per-category sample of MT-Bench), then limit cuts
+    assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), stride=2) == ["Tell me about the sea.", "abc abc abc abc"]
+    assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1, stride=2) == ["Tell me about the sea."]
+
+
+def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "reply one"}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(chat) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"output": "reply two"}) + "\n")
+    (tmp_path / "notes.txt").write_text("not data")
+    assert bench.bigram_texts(str(tmp_path)) == ["reply one", "reply two"]
+    assert bench.bigram_texts(str(tmp_path / "b.jsonl")) == ["reply two"]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,chained"], "method chained needs --heads"),
     (["--methods", "ar,warp"], "unknown warp"),
     (["--prompts", "missing.jsonl"], "--prompts: file not found"),
+    (["--stride", "0"], "--stride must be >= 1"),
     (["--heads", "nope"], "--heads: not found"),
     (["--repeats", "0"], "--repeats must be >= 1"),
 ])
