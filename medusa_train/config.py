@@ -110,6 +110,11 @@ class TrainConfig:
     """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
     epoch after the first skips the target forward (costs d x 4 bytes per token: for small targets and
     datasets, such as the offline default)."""
+    hidden_cache_dir: str = ""
+    """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
+    tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)
+    reads them and skips the target forward even in its first epoch. Written atomically at the end of
+    each epoch and of the run; a directory made for another target is refused."""
 
 
 @dataclass
@@ -204,7 +209,8 @@ def config_from_dict(raw: dict[str, Any], world_size: int = 1) -> Config:
 
 def _expand_home(cfg: Config) -> None:
     """`~/...` in path-valued keys means the home directory (from_pretrained and datasets do not expand it)."""
-    for section, key in (("target", "model"), ("data", "dataset"), (None, "output_dir"), (None, "resume")):
+    for section, key in (("target", "model"), ("data", "dataset"), ("train", "hidden_cache_dir"), (None, "output_dir"),
+                         (None, "resume")):
         obj = getattr(cfg, section) if section else cfg
         value = getattr(obj, key)
         if value.startswith("~"):

@@ -564,8 +564,6 @@ def collate(rows: list[dict], pad_token_id: int | None) -> dict[str, torch.Tenso
         labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.long)
         mask[i, :n] = 1
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    if "row_index" in rows[0]:  # set by the trainer when it caches hidden states per row
-        batch["row_index"] = torch.tensor([int(r["row_index"]) for r in rows], dtype=torch.long)
     return batch
 
 

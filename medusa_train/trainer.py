@@ -15,12 +15,14 @@ config), `acceptance.json` (per-head top-k acceptance, read by the inference eng
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import shutil
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,10 +32,10 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
-from .config import Config
+from .config import Config, ConfigError
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
-from .heads import DraftHeads
+from .heads import DraftHeads, target_fingerprint
 from .losses import STATS, HeadsObjective, summarize
 from .target import load_model, load_tokenizer, target_hidden
 
@@ -143,25 +145,67 @@ class HiddenCache:
     """The frozen target's hidden states per training row, kept on the CPU (`train.cache_hidden`).
 
     The target never changes, so h for a row is the same every epoch: after the first, a batch whose rows
-    are all cached skips the target forward (the dominant cost when heads are small).
+    are all cached skips the target forward (the dominant cost when heads are small). Rows are keyed by
+    their token ids, so with `directory` (`train.hidden_cache_dir`) a later run on other heads reuses them:
+    each `flush` writes the rows computed since the last one as a new shard file, atomically.
     """
 
-    def __init__(self) -> None:
-        self.rows: dict[int, torch.Tensor] = {}
+    META = "meta.json"
+
+    def __init__(self, directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
+                 rank: int = 0) -> None:
+        self.rows: dict[bytes, torch.Tensor] = {}
+        self.new: list[bytes] = []
+        self.dir = Path(directory) if directory else None
+        self.rank = rank
+        if self.dir is not None:
+            self._open(fingerprint or {})
+
+    @staticmethod
+    def key(ids: torch.Tensor) -> bytes:
+        return hashlib.sha1(ids.to(torch.int64).cpu().numpy().tobytes()).digest()
+
+    def _open(self, fingerprint: dict[str, Any]) -> None:
+        meta = self.dir / self.META
+        if meta.is_file():
+            saved = json.loads(meta.read_text()).get("target_fingerprint")
+            if saved != json.loads(json.dumps(fingerprint)):
+                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
+                                  "(its fingerprint differs): point it at a new directory, or delete this one")
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = meta.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"target_fingerprint": fingerprint}))
+            os.replace(tmp, meta)  # several ranks may race here; every one writes the same content
+        for shard in sorted(self.dir.glob("shard-*.pt")):
+            self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
 
     def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        index = batch["row_index"].tolist()  # a small host read, once per micro-step
-        if all(i in self.rows for i in index):
-            cached = [self.rows[i] for i in index]
+        lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
+        keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
+        if all(k in self.rows for k in keys):
+            cached = [self.rows[k] for k in keys]
             h = torch.zeros(ids.shape[0], ids.shape[1], cached[0].shape[-1], dtype=cached[0].dtype)
             for b, row in enumerate(cached):
                 h[b, :row.shape[0]] = row
             return h.to(ids.device, non_blocking=True)
         h = target_hidden(target, ids, mask)
-        for b, (i, n) in enumerate(zip(index, mask.sum(1).tolist())):
-            self.rows[i] = h[b, :n].detach().to("cpu", copy=True)
+        for b, (k, n) in enumerate(zip(keys, lengths)):
+            if k not in self.rows:
+                self.rows[k] = h[b, :n].detach().to("cpu", copy=True)
+                self.new.append(k)
         return h
+
+    def flush(self) -> None:
+        """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
+        if self.dir is None or not self.new:
+            return
+        final = self.dir / f"shard-{time.strftime('%Y%m%d-%H%M%S')}-r{self.rank}-{uuid.uuid4().hex[:8]}.pt"
+        tmp = final.with_suffix(".tmp")
+        torch.save({k: self.rows[k] for k in self.new}, tmp)
+        os.replace(tmp, final)
+        self.new = []
 
 
 def append_metrics(output_dir: str | os.PathLike, row: dict[str, Any]) -> None:
@@ -262,9 +306,10 @@ def train(cfg: Config) -> TrainResult:
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.train.lr,
                                   weight_decay=cfg.train.weight_decay)
     cache = None
-    if cfg.train.cache_hidden:
-        cache = HiddenCache()
-        train_ds = train_ds.add_column("row_index", list(range(len(train_ds))))
+    if cfg.train.cache_hidden or cfg.train.hidden_cache_dir:
+        cache = HiddenCache(cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index)
+        if cache.rows:
+            accelerator.print(f"hidden cache: {len(cache.rows)} rows read from {cfg.train.hidden_cache_dir}")
     train_dl, eval_dl = _setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
@@ -362,9 +407,13 @@ def train(cfg: Config) -> TrainResult:
                 if last or stop.requested:
                     break
             else:  # the epoch ran out
+                if cache is not None:
+                    cache.flush()
                 position["epoch"] += 1
                 position["batch_in_epoch"] = 0
     bar.close()
+    if cache is not None:
+        cache.flush()
 
     if stop.requested:
         accelerator.print(f"stopped at step {position['step']}; resume with resume=auto (the default)")

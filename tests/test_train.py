@@ -322,3 +322,34 @@ def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
     assert max_diff(Path(cfg.output_dir), ws / "cached") <= 1e-6
     # without the cache every one of the 20 micro-steps runs the target; with it only the first epoch's do
     assert 0 < len(calls) < 20
+
+
+def test_hidden_cache_dir_is_shared_across_runs(ws, run20, monkeypatch, tmp_path):
+    """train.hidden_cache_dir: the first run writes h per row; a second run (other head kind) trains from it
+    without one target forward and gets the heads a run without any cache gets; another target is refused."""
+    import medusa_train.trainer as trainer
+    from medusa_train.config import ConfigError
+
+    cfg, _ = run20
+    cache_dir = tmp_path / "h"
+    first = train(config(ws, "disk1", "train.max_steps=20", f"train.hidden_cache_dir={cache_dir}"))
+    assert first.step == 20
+    assert max_diff(Path(cfg.output_dir), ws / "disk1") <= 1e-6  # the cache changes nothing
+    shards = sorted(cache_dir.glob("shard-*.pt"))
+    assert shards and not list(cache_dir.glob("*.tmp"))
+
+    calls = []
+    real = trainer.target_hidden
+    monkeypatch.setattr(trainer, "target_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    train(config(ws, "disk2-nocache", "train.max_steps=8", "heads.kind=parallel"))
+    n_plain = len(calls)
+    calls.clear()
+    train(config(ws, "disk2", "train.max_steps=8", "heads.kind=parallel", f"train.hidden_cache_dir={cache_dir}"))
+    assert n_plain >= 8 and calls == []  # every training row came from the first run's shards
+    assert max_diff(ws / "disk2-nocache", ws / "disk2") <= 1e-6
+    assert sorted(cache_dir.glob("shard-*.pt")) == shards  # nothing new to write
+
+    meta = cache_dir / "meta.json"
+    meta.write_text(json.dumps({"target_fingerprint": {"vocab_size": -1}}))
+    with pytest.raises(ConfigError, match="hidden_cache_dir.*another target"):
+        train(config(ws, "disk3", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
