@@ -309,8 +309,8 @@ class DraftHeads(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         config = asdict(self.spec) | (extra or {})
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target: nn.Module | None = None,
@@ -359,8 +359,8 @@ class DraftHeads(nn.Module):
         }
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        _atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
 
 
 def load_spec(directory: str | os.PathLike) -> HeadsSpec:
@@ -371,7 +371,8 @@ def load_spec(directory: str | os.PathLike) -> HeadsSpec:
     return HeadsSpec(**{k: v for k, v in raw.items() if k in names})
 
 
-def _atomic_write(final: Path, write) -> None:
+def atomic_write(final: Path, write) -> None:
+    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))

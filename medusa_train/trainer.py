@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from .config import Config, ConfigError
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
-from .heads import DraftHeads, target_fingerprint
+from .heads import DraftHeads, atomic_write, target_fingerprint
 from .losses import STATS, HeadsObjective, summarize
 from .target import load_model, load_tokenizer, target_hidden
 
@@ -174,9 +174,8 @@ class HiddenCache:
                                   "(its fingerprint differs): point it at a new directory, or delete this one")
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = meta.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"target_fingerprint": fingerprint}))
-            os.replace(tmp, meta)  # several ranks may race here; every one writes the same content
+            # several ranks may race here; every one writes the same content
+            atomic_write(meta, lambda tmp: Path(tmp).write_text(json.dumps({"target_fingerprint": fingerprint})))
         for shard in sorted(self.dir.glob("shard-*.pt")):
             self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
 
@@ -194,7 +193,8 @@ class HiddenCache:
         for b, (k, n) in enumerate(zip(keys, lengths)):
             if k not in self.rows:
                 self.rows[k] = h[b, :n].detach().to("cpu", copy=True)
-                self.new.append(k)
+                if self.dir is not None:  # only rows to be written by the next flush
+                    self.new.append(k)
         return h
 
     def flush(self) -> None:
@@ -202,9 +202,7 @@ class HiddenCache:
         if self.dir is None or not self.new:
             return
         final = self.dir / f"shard-{time.strftime('%Y%m%d-%H%M%S')}-r{self.rank}-{uuid.uuid4().hex[:8]}.pt"
-        tmp = final.with_suffix(".tmp")
-        torch.save({k: self.rows[k] for k in self.new}, tmp)
-        os.replace(tmp, final)
+        atomic_write(final, lambda tmp: torch.save({k: self.rows[k] for k in self.new}, tmp))
         self.new = []
 
 
