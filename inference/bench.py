@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "table (default: the data the --heads were trained on)")
     p.add_argument("--bigram-top-k", type=int, default=4)
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the target's dtype for every method (auto: bfloat16 on a GPU that supports it, else float32)")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="draw tau and speedup per method into this PNG")
     return p
@@ -381,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"[bench] loading {args.target} on {device}; methods: {', '.join(methods)}; {len(texts)} prompts, "
         f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if args.dtype != "auto":
+        dtype = getattr(torch, args.dtype)
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}

@@ -153,11 +153,12 @@ class HiddenCache:
     META = "meta.json"
 
     def __init__(self, directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.rows: dict[bytes, torch.Tensor] = {}
         self.new: list[bytes] = []
         self.dir = Path(directory) if directory else None
         self.rank = rank
+        self.dtype = dtype  # of the forward that made the rows (target.forward_dtype)
         if self.dir is not None:
             self._open(fingerprint or {})
 
@@ -167,15 +168,21 @@ class HiddenCache:
 
     def _open(self, fingerprint: dict[str, Any]) -> None:
         meta = self.dir / self.META
+        dtype = str(self.dtype).removeprefix("torch.")
         if meta.is_file():
-            saved = json.loads(meta.read_text()).get("target_fingerprint")
-            if saved != json.loads(json.dumps(fingerprint)):
+            saved = json.loads(meta.read_text())
+            if saved.get("target_fingerprint") != json.loads(json.dumps(fingerprint)):
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
                                   "(its fingerprint differs): point it at a new directory, or delete this one")
+            if saved.get("dtype", "float32") != dtype:  # caches written before the key existed were float32
+                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved.get('dtype')} "
+                                  f"forward, but this run's target forward is {dtype}: set target.forward_dtype="
+                                  f"{saved.get('dtype')} (or target.dtype), or point it at a new directory")
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             # several ranks may race here; every one writes the same content
-            atomic_write(meta, lambda tmp: Path(tmp).write_text(json.dumps({"target_fingerprint": fingerprint})))
+            atomic_write(meta, lambda tmp: Path(tmp).write_text(
+                json.dumps({"target_fingerprint": fingerprint, "dtype": dtype})))
         for shard in sorted(self.dir.glob("shard-*.pt")):
             self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
 
@@ -263,6 +270,17 @@ def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     return heads.to(target.device)
 
 
+def _setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.nn.Module:
+    """The model whose forward gives h in training: the target itself, or (target.forward_dtype) a second
+    frozen copy in another dtype."""
+    if cfg.target.forward_dtype == "same":
+        return target
+    dtype = getattr(torch, cfg.target.forward_dtype)
+    if dtype == target.dtype:
+        return target
+    return load_model(cfg.target, device, dtype)
+
+
 def _setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
     per_process = cfg.train.batch_size // accelerator.num_processes
     fn = partial(collate, pad_token_id=pad_token_id)
@@ -295,6 +313,7 @@ def train(cfg: Config) -> TrainResult:
                       f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
     target = load_model(cfg.target, accelerator.device)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    forward_target = _setup_forward_target(cfg, target, accelerator.device)
     heads = _setup_heads(cfg, target, train_ds)
     n_params = sum(p.numel() for p in heads.parameters())
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
@@ -305,7 +324,8 @@ def train(cfg: Config) -> TrainResult:
                                   weight_decay=cfg.train.weight_decay)
     cache = None
     if cfg.train.cache_hidden or cfg.train.hidden_cache_dir:
-        cache = HiddenCache(cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index)
+        cache = HiddenCache(cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
+                            forward_target.dtype)
         if cache.rows:
             accelerator.print(f"hidden cache: {len(cache.rows)} rows read from {cfg.train.hidden_cache_dir}")
     train_dl, eval_dl = _setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
@@ -350,7 +370,9 @@ def train(cfg: Config) -> TrainResult:
                 with accelerator.accumulate(objective):
                     ids, mask = batch["input_ids"], batch["attention_mask"]
                     # [B, T, d], no grad; from the cache after the first epoch when train.cache_hidden
-                    h = cache.hidden(target, batch) if cache is not None else target_hidden(target, ids, mask)
+                    h = cache.hidden(forward_target, batch) if cache is not None else \
+                        target_hidden(forward_target, ids, mask)
+                    h = h.to(embed.weight.dtype)  # a no-op unless target.forward_dtype differs
                     loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:

@@ -353,3 +353,33 @@ def test_hidden_cache_dir_is_shared_across_runs(ws, run20, monkeypatch, tmp_path
     meta.write_text(json.dumps({"target_fingerprint": {"vocab_size": -1}}))
     with pytest.raises(ConfigError, match="hidden_cache_dir.*another target"):
         train(config(ws, "disk3", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
+
+
+def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(ws, run20, monkeypatch, tmp_path):
+    """target.forward_dtype=bfloat16: h comes from a bf16 copy of the target, the heads and the loss stay
+    float32, the heads still learn (close to the float32 run), and a hidden cache of another dtype is refused."""
+    import medusa_train.trainer as trainer
+    from medusa_train.config import ConfigError
+
+    cfg, _ = run20
+    seen = []
+    real = trainer.target_hidden
+    monkeypatch.setattr(trainer, "target_hidden",
+                        lambda model, *a, **k: seen.append(next(model.parameters()).dtype) or real(model, *a, **k))
+    cache_dir = tmp_path / "h16"
+    result = train(config(ws, "bf16fwd", "train.max_steps=20", "target.forward_dtype=bfloat16",
+                          f"train.hidden_cache_dir={cache_dir}"))
+    assert seen and set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in result.heads.parameters()} == {torch.float32}
+    assert next(result.target.parameters()).dtype == torch.float32
+    assert json.loads((cache_dir / "meta.json").read_text())["dtype"] == "bfloat16"
+    # same data, steps and seed as the float32 run: the heads differ by bf16 rounding of h only
+    drift = max_diff(Path(cfg.output_dir), ws / "bf16fwd")
+    moved = max(w.abs().max().item() for w in load_file(str(Path(cfg.output_dir) / "model.safetensors")).values()
+                if w.is_floating_point() and w.numel())
+    assert 0 < drift < 0.2 * moved  # bf16 rounding of h, not different data
+    first = [r for r in read_jsonl(ws / "bf16fwd" / "metrics.jsonl") if "train/loss" in r]
+    assert first[-1]["train/loss"] < first[0]["train/loss"]
+
+    with pytest.raises(ConfigError, match="forward_dtype=bfloat16"):
+        train(config(ws, "bf16fwd-2", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
