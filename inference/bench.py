@@ -212,8 +212,15 @@ def run_benchmark(runners: dict[str, Runner], prompts: Sequence[torch.Tensor], m
                 outputs[name].append(res.tokens)
         reference = outputs["ar"][0]
         for name in names:
-            if any(out != reference for out in outputs[name]):
+            differing = [out for out in outputs[name] if out != reference]
+            if differing:
                 totals[name].mismatches.append(i)
+                if log is not None:
+                    out = differing[0]
+                    first = next((j for j, (a, b) in enumerate(zip(out, reference)) if a != b),
+                                 min(len(out), len(reference)))
+                    log(f"[bench] prompt {i + 1}: {name} differs from ar at new token {first} "
+                        f"({len(out)} vs {len(reference)} tokens)")
         if log is not None:
             rates = "  ".join(f"{n} {totals[n].tokens / max(totals[n].seconds, 1e-9):.1f}" for n in names)
             log(f"[bench] prompt {i + 1}/{len(prompts)}: {len(reference)} tokens; cumulative tok/s: {rates}")

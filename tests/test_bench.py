@@ -77,9 +77,13 @@ def test_a_broken_drafter_is_reported_as_not_exact():
                "ngram": bench.engine_runner(SpeculativeGenerator(model, tok, NGramDrafter()), tree_budget=3),
                "broken": bench.engine_runner(SpeculativeGenerator(model, tok, RootSwapDrafter()), tree_budget=3)}
     prompts = [bench.render(tok, p) for p in ("hello there", "one two one two one two")]
-    summary = bench.run_benchmark(runners, prompts, max_new_tokens=16, warmup=0)
+    lines = []
+    summary = bench.run_benchmark(runners, prompts, max_new_tokens=16, warmup=0, log=lines.append)
     assert summary["ar"]["exact_match"] and summary["ngram"]["exact_match"]
     assert summary["broken"]["exact_match"] is False
+    # the log names where the output first left ar's: the root swap corrupts the second new token
+    said = [line for line in lines if "differs" in line]
+    assert said and all("broken differs from ar at new token 1 " in line for line in said)
 
 
 def test_interleaving_rotates_and_repeats():
