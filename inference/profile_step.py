@@ -32,12 +32,12 @@ def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
 
 def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: int = 40, num_heads: int = 4,
             prompt_len: int = 128, temperature: float = 0.0, kind: str = "chained",
-            draft_vocab: int = 0) -> dict[str, float]:
+            draft_vocab: int = 0, dtype: torch.dtype | None = None) -> dict[str, float]:
     """Mean milliseconds per step of each phase, and of whole steps. draft_vocab > 0 gives the heads a
     reduced scored vocabulary (the first draft_vocab ids, standing in for the most frequent tokens)."""
     from medusa_train.heads import DraftHeads
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model = smollm2_like(device, dtype)
     heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads,
                                   draft_ids=torch.arange(draft_vocab) if draft_vocab else None)
@@ -97,14 +97,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--kind", default="chained", choices=("chained", "parallel"))
     parser.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     for tree in args.tree:
         for budget in args.budget:
             r = profile(args.device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
-                        draft_vocab=args.draft_vocab)
-            print(f"{args.device} {args.kind} draft_vocab={args.draft_vocab or 'full'} tree={tree} budget={budget} "
+                        draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None)
+            print(f"{args.device} {args.dtype or 'default dtype'} {args.kind} draft_vocab={args.draft_vocab or 'full'} tree={tree} budget={budget} "
                   f"T={args.temperature}: "
                   + " ".join(f"{k}={v:.2f}ms" for k, v in r.items() if k != "engine_share_of_verify")
                   + f" engine/verify={100 * r['engine_share_of_verify']:.1f}%", flush=True)
