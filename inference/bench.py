@@ -397,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}
+    generators: dict[str, SpeculativeGenerator] = {}
     for m in methods:
         if m == "ar":
             runners[m] = hf_runner(target, pad)
@@ -409,9 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
             else:
                 drafter = HeadsDrafter.from_pretrained(args.heads if m == "chained" else args.heads_parallel, target)
-            runners[m] = engine_runner(SpeculativeGenerator(target, tokenizer, drafter), args.tree, budget)
+            generators[m] = SpeculativeGenerator(target, tokenizer, drafter)
+            runners[m] = engine_runner(generators[m], args.tree, budget)
     prompts = [render(tokenizer, t) for t in texts]
     summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log)
+    if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
+        log("[bench] auto tree budget (draft nodes per step): "
+            + ", ".join(f"{m} {g.auto_tree_budget()}" for m, g in generators.items()))
     result = {"machine": machine_description(device), "target": str(args.target), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "methods": summary}
     print(f"\n{result['machine']}\ntarget {result['target']}, {len(prompts)} prompts ({args.prompts}), greedy, "
