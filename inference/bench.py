@@ -384,16 +384,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
+    from medusa_train.target import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"[bench] loading {args.target} on {device}; methods: {', '.join(methods)}; {len(texts)} prompts, "
         f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if args.dtype != "auto":
-        dtype = getattr(torch, args.dtype)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    dtype = resolve_dtype(args.dtype, device)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}

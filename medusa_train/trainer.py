@@ -158,26 +158,26 @@ class HiddenCache:
         self.new: list[bytes] = []
         self.dir = Path(directory) if directory else None
         self.rank = rank
-        self.dtype = dtype  # of the forward that made the rows (target.forward_dtype)
         if self.dir is not None:
-            self._open(fingerprint or {})
+            self._open(fingerprint or {}, str(dtype).removeprefix("torch."))
 
     @staticmethod
     def key(ids: torch.Tensor) -> bytes:
         return hashlib.sha1(ids.to(torch.int64).cpu().numpy().tobytes()).digest()
 
-    def _open(self, fingerprint: dict[str, Any]) -> None:
+    def _open(self, fingerprint: dict[str, Any], dtype: str) -> None:
+        """Check (or write) meta.json: the target's fingerprint and the dtype of the forward that made the rows."""
         meta = self.dir / self.META
-        dtype = str(self.dtype).removeprefix("torch.")
         if meta.is_file():
             saved = json.loads(meta.read_text())
             if saved.get("target_fingerprint") != json.loads(json.dumps(fingerprint)):
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
                                   "(its fingerprint differs): point it at a new directory, or delete this one")
-            if saved.get("dtype", "float32") != dtype:  # caches written before the key existed were float32
-                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved.get('dtype')} "
+            saved_dtype = saved.get("dtype", "float32")  # caches written before the key existed were float32
+            if saved_dtype != dtype:
+                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved_dtype} "
                                   f"forward, but this run's target forward is {dtype}: set target.forward_dtype="
-                                  f"{saved.get('dtype')} (or target.dtype), or point it at a new directory")
+                                  f"{saved_dtype} (or target.dtype), or point it at a new directory")
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             # several ranks may race here; every one writes the same content

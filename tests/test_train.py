@@ -378,8 +378,8 @@ def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(w
     moved = max(w.abs().max().item() for w in load_file(str(Path(cfg.output_dir) / "model.safetensors")).values()
                 if w.is_floating_point() and w.numel())
     assert 0 < drift < 0.2 * moved  # bf16 rounding of h, not different data
-    first = [r for r in read_jsonl(ws / "bf16fwd" / "metrics.jsonl") if "train/loss" in r]
-    assert first[-1]["train/loss"] < first[0]["train/loss"]
+    logged = [r for r in read_jsonl(ws / "bf16fwd" / "metrics.jsonl") if "train/loss" in r]
+    assert logged[-1]["train/loss"] < logged[0]["train/loss"]
 
     with pytest.raises(ConfigError, match="forward_dtype=bfloat16"):
         train(config(ws, "bf16fwd-2", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
