@@ -4,6 +4,7 @@ One small interface, `Drafter.draft(ctx) -> Tree`, with three implementations:
 
 - `HeadsDrafter`: the trained draft heads (chained or parallel). Chained heads expand the tree depth by
   depth, running head k once on the batch of frontier nodes (each reads its parent's state and token).
+  Heads with a context encoder keep its KV cache over committed positions (`observe`).
 - `NGramDrafter`: prompt lookup; match the last n tokens of the context earlier in the context and
   propose what followed (several matches give several branches).
 - `BigramDrafter`: a table of each token's most likely successors built from a dataset with the
@@ -68,8 +69,15 @@ class Drafter:
         """Expected tokens per step of the best static tree for every budget 0..max_budget."""
         return expected_tau_curve([row[:self.max_candidates] for row in self.topk_accuracy()], max_budget)
 
+    needs_history: bool = False  # True: the generator calls `observe` with every committed position
+
     def reset(self) -> None:
         """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Only for drafters with `needs_history`: n newly committed positions, in order; hidden [n, d] is
+        h at each, next_tokens [n] (on the target's device) the token that follows each (the last one is
+        the next root). Called after the prefill with the whole prompt, then after every step."""
 
 
 def _validate_tree(tree: TreeSpec) -> None:
@@ -191,6 +199,10 @@ class HeadsDrafter(TreeDrafter):
         self.max_candidates = heads.spec.scored_vocab
         self.chained = heads.spec.kind == "chained"
         self._topk_accuracy = topk_accuracy
+        # context heads: the encoder's KV cache over committed positions, and c at the last one
+        self.needs_history = heads.context is not None
+        self._context_cache = None
+        self._context: torch.Tensor | None = None
         # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once
         # instead of at every call (the same product `heads.logits` computes)
         self._draft_lm_weight = None
@@ -215,8 +227,23 @@ class HeadsDrafter(TreeDrafter):
             return F.linear(s, self._draft_lm_weight)
         return self.heads.logits(k, s, self.lm_head)
 
+    def reset(self) -> None:
+        self._context_cache, self._context = None, None
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        if not self.needs_history:
+            return
+        dtype = self.lm_head.weight.dtype
+        e = self.heads.embed_tokens(next_tokens, self.embed).to(dtype)
+        self._context, self._context_cache = self.heads.context.extend(hidden.to(dtype), e, self._context_cache)
+
     def root_state(self, ctx: DraftContext) -> torch.Tensor:
         s0 = self.heads.start(ctx.hidden[None].to(self.lm_head.weight.dtype))  # s_0: [1, d]
+        if self.needs_history:
+            if self._context is None:
+                raise RuntimeError("these heads have a context encoder: feed it the committed positions with "
+                                   "observe() (SpeculativeGenerator does) before drafting")
+            s0 = s0 + self._context  # s_0 = h_t + c_t
         if not self.chained:
             # parallel heads all read h_t: score every head now, in one pass over a shared LM head (one
             # read of its weight instead of K), and let `propose` take head k's row

@@ -264,9 +264,12 @@ class SpeculativeGenerator:
     def prefill(self, input_ids: torch.Tensor, sampling: Sampling) -> DecodeState:
         """Run the prompt, decide the first new token (the first tree's root)."""
         cache = new_cache()
-        h = target_forward(self.target, input_ids, cache)[0, -1]  # [d], h at the prompt's last position
+        hs = target_forward(self.target, input_ids, cache)[0]  # [T, d]
+        h = hs[-1]  # h at the prompt's last position
         logits = self.target.get_output_embeddings()(h)  # [V]
         root = self.next_token(logits, sampling).view(1)
+        if self.drafter.needs_history:  # position j is followed by x_{j+1}; the last one by the root
+            self.drafter.observe(hs, torch.cat([input_ids[0, 1:], root]))
         return DecodeState(cache, root, h, input_ids[0].tolist() + root.tolist())
 
     def next_token(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -291,6 +294,8 @@ class SpeculativeGenerator:
         n, new = acc.to_host(draft)  # the step's one host sync
         compact_cache(state.cache, prefix_len, acc.path[:n])
         state.root, state.hidden = acc.bonus.view(1), h[acc.best]
+        if self.drafter.needs_history:  # the accepted nodes, each followed by the next one (the last: bonus)
+            self.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
         state.tokens.extend(new)
         return new
 

@@ -67,6 +67,10 @@ class HeadsConfig:
     """Give each head its own (trainable) LM head instead of the target's frozen one."""
     draft_vocab_size: int = 0
     """If > 0, heads score only the this-many most frequent tokens of the training data (0: full vocab)."""
+    context_layers: int = 0
+    """If > 0, an EAGLE-style context encoder: this many small causal transformer layers over every
+    committed position's (h_j, embed(x_{j+1})) give c_t, and the heads start from s_0 = h_t + c_t instead
+    of h_t alone (at inference the drafter keeps its own KV cache). 0: heads read h_t only."""
 
 
 @dataclass
@@ -386,6 +390,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     h = cfg.heads
     need(1 <= h.num_heads <= 16, f"heads.num_heads must be between 1 and 16, got {h.num_heads}")
     need(1 <= h.layers_per_head <= 8, f"heads.layers_per_head must be between 1 and 8, got {h.layers_per_head}")
+    need(0 <= h.context_layers <= 8, f"heads.context_layers must be between 0 and 8, got {h.context_layers}")
     need(h.draft_vocab_size >= 0, f"heads.draft_vocab_size must be >= 0 (0: full vocab), got {h.draft_vocab_size}")
 
     d = cfg.data

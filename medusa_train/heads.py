@@ -15,6 +15,12 @@ x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
       s = gelu(ln_k(s))                     # ln: RMS-normalise, then elementwise scale and shift
 - parallel: s_k = blocks_k(h_t), each block x + silu(W x + b), zero-initialised so an untrained head
   starts as the target's own next-token guess.
+- context (`heads.context_layers` > 0, EAGLE-style): the heads also see the whole committed context, not
+  only h_t. At every position j a small causal transformer reads u_j = W [h_j; embed(x_{j+1})] (the
+  target's state and the token it chose next) and gives c_t; the chain then starts from
+  s_0 = h_t + c_t. The output projection is zero-initialised, so untrained context heads behave as
+  plain ones. At inference the drafter keeps the layer's own small KV cache over committed positions
+  (`ContextEncoder.extend`).
 
 By default `embed` and `lm_head` are the target's own frozen modules, passed in at call time (never
 stored here, so checkpoints hold only head weights).
@@ -56,6 +62,7 @@ class HeadsSpec:
     own_embed: bool = False
     own_lm_head: bool = False
     draft_vocab_size: int = 0
+    context_layers: int = 0
     target_name: str = ""
     target_fingerprint: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -189,6 +196,105 @@ class ChainedBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Context encoder (heads.context_layers > 0)
+
+ROPE_THETA = 10000.0
+ContextCache = list  # per layer: (keys, values), each [B, heads, positions, head_dim]
+
+
+def context_num_heads(dim: int) -> int:
+    """Attention heads of width 64 where the hidden size allows it, else one head."""
+    return dim // 64 if dim % 64 == 0 else 1
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, H, T, hd] at integer positions [T] (rotate-half form)."""
+    half = x.shape[-1] // 2
+    inv_freq = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, half]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    a, b = x[..., :half], x[..., half:2 * half]
+    out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return torch.cat([out, x[..., 2 * half:]], dim=-1) if x.shape[-1] % 2 else out
+
+
+class ContextLayer(nn.Module):
+    """A pre-norm causal transformer layer: rotary self-attention, then a SiLU-gated MLP."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.attn_norm = SpeculatorNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.attn_out = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = SpeculatorNorm(dim)
+        inner = 2 * dim
+        self.gate_up = nn.Linear(dim, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, T, d] at `positions` [T]; `past` the keys/values of earlier positions (inference).
+        Returns (x after the layer, keys/values including these positions)."""
+        B, T, d = x.shape
+        H = self.num_heads
+        q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)  # [B, H, T, hd]
+        q, k = _rotate(q, positions), _rotate(k, positions)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        P = k.shape[2] - T  # earlier positions: every new row sees all of them
+        if P == 0:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        elif T == 1:
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            allowed = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        x = x + self.attn_out(a.transpose(1, 2).reshape(B, T, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up), (k, v)
+
+
+class ContextEncoder(nn.Module):
+    """c_t from the committed context: causal layers over u_j = W [h_j; embed(x_{j+1})], j <= t.
+
+    `forward` is the teacher-forced form over whole sequences (training); `extend` appends committed
+    positions to a KV cache and returns c at the last one (inference). Both compute the same numbers.
+    """
+
+    def __init__(self, dim: int, num_layers: int):
+        super().__init__()
+        self.fc_in = nn.Linear(2 * dim, dim)
+        self.layers = nn.ModuleList(ContextLayer(dim, context_num_heads(dim)) for _ in range(num_layers))
+        self.out_norm = SpeculatorNorm(dim)
+        self.out = nn.Linear(dim, dim)
+        nn.init.zeros_(self.out.weight)  # c starts at 0: untrained context heads are plain heads
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, h: torch.Tensor, e_next: torch.Tensor) -> torch.Tensor:
+        """h [B, T, d] and embed(x_{t+1}) [B, T, d] -> c [B, T, d] (right padding is harmless: causal)."""
+        x = self.fc_in(torch.cat([h, e_next], dim=-1))
+        positions = torch.arange(x.shape[1], device=x.device)
+        for layer in self.layers:
+            x, _ = layer(x, positions)
+        return self.out(self.out_norm(x))
+
+    def extend(self, h: torch.Tensor, e_next: torch.Tensor, cache: ContextCache | None
+               ) -> tuple[torch.Tensor, ContextCache]:
+        """Append n committed positions (h [n, d], embed of the token after each [n, d]) to `cache` (None
+        for a new sequence); returns (c at the last of them [1, d], the grown cache)."""
+        x = self.fc_in(torch.cat([h, e_next], dim=-1))[None]  # [1, n, d]
+        start = 0 if cache is None else cache[0][0].shape[2]
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        grown: ContextCache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, None if cache is None else cache[i])
+            grown.append(kv)
+        return self.out(self.out_norm(x[0, -1:])), grown
+
+
+# ---------------------------------------------------------------------------------------------------
 # The heads
 
 
@@ -213,6 +319,7 @@ class DraftHeads(nn.Module):
         else:
             raise ValueError(f"heads.kind must be 'chained' or 'parallel' and heads.block 'residual' or "
                              f"'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
+        self.context = ContextEncoder(d, spec.context_layers) if spec.context_layers else None
         self.embed = nn.Embedding(spec.vocab_size, d) if spec.own_embed else None
         self.lm_heads = (nn.ModuleList(nn.Linear(d, spec.scored_vocab, bias=False) for _ in range(K))
                          if spec.own_lm_head else None)
@@ -224,14 +331,14 @@ class DraftHeads(nn.Module):
     @classmethod
     def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
                    own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
-                   target_name: str = "", block: str = "residual") -> DraftHeads:
+                   target_name: str = "", block: str = "residual", context_layers: int = 0) -> DraftHeads:
         """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's."""
         emb = target.get_input_embeddings().weight
         out = target.get_output_embeddings().weight
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
                          layers_per_head=layers_per_head, block=block, own_embed=own_embed, own_lm_head=own_lm_head,
                          draft_vocab_size=0 if draft_ids is None else len(draft_ids),
-                         target_name=target_name, target_fingerprint=target_fingerprint(target))
+                         context_layers=context_layers, target_name=target_name, target_fingerprint=target_fingerprint(target))
         heads = cls(spec)
         with torch.no_grad():
             if draft_ids is not None:
@@ -268,11 +375,14 @@ class DraftHeads(nn.Module):
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None = None) -> torch.Tensor:
         """Teacher-forced states for training: [K, B, T, d] where states[k, :, t] is head k+1's state at
-        position t, having read tokens x_{t+1}..x_{t+k+1} (positions past the end see padding; mask them)."""
+        position t, having read tokens x_{t+1}..x_{t+k+1} (positions past the end see padding; mask them).
+        With a context encoder, position t also reads (h_j, x_{j+1}) for every j <= t."""
         s0 = self.start(h)
+        e = self.embed_tokens(input_ids, embed).to(h.dtype)  # [B, T, d]
+        if self.context is not None:  # s_0 = h_t + c_t, c_t reading (h_j, x_{j+1}) for j <= t
+            s0 = s0 + self.context(h, F.pad(e[:, 1:], (0, 0, 0, 1)))
         if self.spec.kind == "parallel":
             return torch.stack([block(s0) for block in self.blocks])
-        e = self.embed_tokens(input_ids, embed).to(h.dtype)  # [B, T, d]
         states, s = [], s0
         for k, block in enumerate(self.blocks):
             # head k+1 at position t reads the embedding of x_{t+k+1}: shift left by k+1, zero-pad the end
@@ -338,9 +448,9 @@ class DraftHeads(nn.Module):
 
         spec = self.spec
         if spec.kind != "chained" or spec.block != "mlp_speculator" or spec.layers_per_head != 1 \
-                or spec.draft_vocab_size:
+                or spec.draft_vocab_size or spec.context_layers:
             raise ValueError("mlp_speculator export needs heads.kind=chained, heads.block=mlp_speculator, "
-                             "heads.layers_per_head=1 and heads.draft_vocab_size=0")
+                             "heads.layers_per_head=1, heads.draft_vocab_size=0 and heads.context_layers=0")
         emb = (self.embed.weight if self.embed is not None else target.get_input_embeddings().weight).detach()
         state: dict[str, torch.Tensor] = {}
         for k, block in enumerate(self.blocks):

@@ -266,7 +266,8 @@ def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
                   if isinstance(i, int)]
         draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab_size, always)
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
-                                  draft_ids=draft_ids, target_name=cfg.target.model, block=h.block)
+                                  draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
+                                  context_layers=h.context_layers)
     return heads.to(target.device)
 
 

@@ -25,10 +25,12 @@ def float64_model(arch: str, seed: int = 0):
     return tiny_model(arch, seed=seed).double()
 
 
-def random_heads(model, kind: str, num_heads: int, seed: int = 0, scale: float = 0.2) -> DraftHeads:
+def random_heads(model, kind: str, num_heads: int, seed: int = 0, scale: float = 0.2,
+                 context_layers: int = 0) -> DraftHeads:
     """Untrained heads, perturbed away from their identity-like initialisation (chained heads alternate
     between the residual and the mlp_speculator block with the seed)."""
-    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, block=("residual", "mlp_speculator")[seed % 2])
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, block=("residual", "mlp_speculator")[seed % 2],
+                                  context_layers=context_layers)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -112,7 +114,8 @@ def test_greedy_equals_target_generate(i):
 
     truth = input_ids[0].tolist() + truth_new.tolist()
     if c["drafter"] in ("chained", "parallel"):
-        drafter = HeadsDrafter(random_heads(model, c["drafter"], depth, seed=c["seed"]), model)
+        drafter = HeadsDrafter(random_heads(model, c["drafter"], depth, seed=c["seed"],
+                                            context_layers=(c["seed"] // 2) % 2), model)
     elif c["drafter"] == "planted":
         drafter = PlantedDrafter(truth, VOCAB, depth, c["true_rank"], c["good_depth"])
     elif c["drafter"] == "ngram":
