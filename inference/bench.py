@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="the target's dtype for every method (auto: bfloat16 on a GPU that supports it, else float32)")
+    p.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"),
+                   help="float32 CPU targets: run every method's linear layers through oneDNN (faster at every "
+                        "row count; inference/kernels.py) or PyTorch's default MKL path")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="draw tau and speedup per method into this PNG")
     return p
@@ -384,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
+    from inference.kernels import use_onednn_linear
     from medusa_train.target import resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -393,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     dtype = resolve_dtype(args.dtype, device)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    kernels = ""
+    if args.cpu_linear == "onednn" and use_onednn_linear(target):  # shared by every method, `ar` included
+        kernels = ", float32 linear layers on oneDNN"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}
     generators: dict[str, SpeculativeGenerator] = {}
@@ -415,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
         log("[bench] auto tree budget (draft nodes per step): "
             + ", ".join(f"{m} {g.auto_tree_budget()}" for m, g in generators.items()))
-    result = {"machine": machine_description(device), "target": str(args.target), "prompts": len(prompts),
+    result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "methods": summary}
     print(f"\n{result['machine']}\ntarget {result['target']}, {len(prompts)} prompts ({args.prompts}), greedy, "
           f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")

@@ -1,0 +1,54 @@
+"""The oneDNN linear kernel choice (inference/kernels.py): same numbers as F.linear up to float32 rounding,
+gradients and other dtypes keep F.linear, and greedy speculation stays exact when every method uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_inference_greedy import greedy_reference, random_heads
+from tiny import tiny_model, tiny_tokenizer
+
+from inference import HeadsDrafter, NGramDrafter, SpeculativeGenerator
+from inference.kernels import use_onednn_linear, uses_onednn_linear
+
+
+
+def test_swapped_layers_compute_what_f_linear_computes():
+    model = tiny_model("llama", seed=1).eval()
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert use_onednn_linear(model) == n_linear > 0 and uses_onednn_linear(model)
+    assert use_onednn_linear(model) == n_linear  # idempotent
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_and_float64_keep_f_linear():
+    lin = torch.nn.Linear(8, 4)
+    use_onednn_linear(lin)
+    x = torch.randn(3, 8, requires_grad=True)
+    lin(x).square().sum().backward()
+    want = torch.autograd.grad(F.linear(x, lin.weight, lin.bias).square().sum(), x)[0]
+    torch.testing.assert_close(x.grad, want)
+    assert lin.weight.grad is not None
+    model64 = tiny_model("llama").double()
+    assert use_onednn_linear(model64) == 0 and not uses_onednn_linear(model64)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_speculation_is_exact_with_onednn_kernels(arch):
+    """float32 (the kernels only serve float32): the target's own generate and the engine both run on them."""
+    model = tiny_model(arch, seed=2).eval()
+    use_onednn_linear(model)
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    want = greedy_reference(model, ids, 40, eos_token_id=[])
+    for drafter in (HeadsDrafter(random_heads(model, "chained", 3, seed=4, context_layers=1), model),
+                    NGramDrafter(max_depth=3)):
+        gen = SpeculativeGenerator(model, tiny_tokenizer(), drafter)
+        for tree in ("static", "dynamic"):
+            out = gen.generate(ids, max_new_tokens=40, tree=tree, tree_budget=6, eos_token_id=[])
+            assert out.token_ids.tolist() == want.tolist(), (arch, type(drafter).__name__, tree)
