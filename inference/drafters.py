@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.kernels import linear, use_onednn_linear
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, select_dynamic_tree,
                             static_tree_search, topology_from_paths, tree_from_parents)
 
@@ -193,6 +194,7 @@ class HeadsDrafter(TreeDrafter):
         super().__init__()
         weight = target.get_output_embeddings().weight
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
+        use_onednn_linear(self.heads)  # float32 on a CPU: small-M matmuls are 2x faster on oneDNN than MKL
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.max_depth = heads.spec.num_heads
@@ -224,8 +226,8 @@ class HeadsDrafter(TreeDrafter):
     def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
         """Head k's logits over the scored vocabulary: [M, V_draft]."""
         if self._draft_lm_weight is not None:
-            return F.linear(s, self._draft_lm_weight)
-        return self.heads.logits(k, s, self.lm_head)
+            return linear(s, self._draft_lm_weight)
+        return linear(s, self.heads.scoring_weight(k, self.lm_head))  # = heads.logits, on the fast kernel
 
     def reset(self) -> None:
         self._context_cache, self._context = None, None

@@ -16,6 +16,7 @@ Inputs that need gradients, other dtypes and other devices keep `F.linear`.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@functools.cache
 def _onednn_op():
     try:
         return torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
@@ -40,6 +42,16 @@ def _onednn_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [None], "")
     return F.linear(x, w, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` for a weight that is not an `nn.Linear` (e.g. gathered LM-head rows), on oneDNN where
+    `use_onednn_linear` would use it."""
+    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and onednn_linear_available()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    return F.linear(x, weight, bias)
 
 
 def use_onednn_linear(model: nn.Module) -> int:

@@ -12,7 +12,7 @@ from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, load_topk_accuracy
-from inference.generate import main
+from inference.generate import AUTO_BUDGET_LENGTHS_CPU, main
 from inference.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve, select_dynamic_tree,
                             static_tree_search, topology_from_paths, tree_attention_mask, tree_position_ids)
 
@@ -175,7 +175,9 @@ def test_auto_budget_is_measured_once_and_in_range():
     gen.generate(ids, max_new_tokens=6, eos_token_id=[])
     assert len(calls) == 1
     times = measure()
-    assert sorted(times) == [1, 2, 4, 8, 16, 32] and all(t > 0 for t in times.values())
+    assert sorted(times) == list(AUTO_BUDGET_LENGTHS_CPU) and all(t > 0 for t in times.values())
+    assert list(AUTO_BUDGET_LENGTHS_CPU[:16]) == list(range(1, 17))  # every size up to 16 is timed on a CPU
+    assert all(times[a] <= times[b] for a, b in zip(AUTO_BUDGET_LENGTHS_CPU, AUTO_BUDGET_LENGTHS_CPU[1:]))
     assert 0 <= out.stats.tree_budget < 32 and out.stats.tree_budget == gen.auto_tree_budget()
     assert out.token_ids.tolist() == greedy_reference(model, ids, 6, eos_token_id=[]).tolist()
 
