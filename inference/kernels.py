@@ -36,14 +36,6 @@ def onednn_linear_available() -> bool:
     return _onednn_op() is not None
 
 
-def _onednn_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [None], "")
-    return F.linear(x, w, self.bias)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for a weight that is not an `nn.Linear` (e.g. gathered LM-head rows), on oneDNN where
     `use_onednn_linear` would use it."""
@@ -52,6 +44,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     return F.linear(x, weight, bias)
+
+
+def _onednn_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 def use_onednn_linear(model: nn.Module) -> int:
