@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.kernels import linear, use_onednn_linear
@@ -59,6 +58,7 @@ class Drafter:
 
     max_depth: int = 0
     max_candidates: int = 1 << 30  # most candidates ranked per node (static trees use ranks below this)
+    needs_history: bool = False  # True: the generator calls `observe` with every committed position
 
     def draft(self, ctx: DraftContext) -> Tree:
         raise NotImplementedError
@@ -69,8 +69,6 @@ class Drafter:
     def expected_tau(self, max_budget: int) -> list[float]:
         """Expected tokens per step of the best static tree for every budget 0..max_budget."""
         return expected_tau_curve([row[:self.max_candidates] for row in self.topk_accuracy()], max_budget)
-
-    needs_history: bool = False  # True: the generator calls `observe` with every committed position
 
     def reset(self) -> None:
         """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""

@@ -378,10 +378,12 @@ class DraftHeads(nn.Module):
         position t, having read tokens x_{t+1}..x_{t+k+1} (positions past the end see padding; mask them).
         With a context encoder, position t also reads (h_j, x_{j+1}) for every j <= t."""
         s0 = self.start(h)
-        e = self.embed_tokens(input_ids, embed).to(h.dtype)  # [B, T, d]
+        chained = self.spec.kind == "chained"
+        if chained or self.context is not None:  # plain parallel heads read no tokens
+            e = self.embed_tokens(input_ids, embed).to(h.dtype)  # [B, T, d]
         if self.context is not None:  # s_0 = h_t + c_t, c_t reading (h_j, x_{j+1}) for j <= t
             s0 = s0 + self.context(h, F.pad(e[:, 1:], (0, 0, 0, 1)))
-        if self.spec.kind == "parallel":
+        if not chained:
             return torch.stack([block(s0) for block in self.blocks])
         states, s = [], s0
         for k, block in enumerate(self.blocks):

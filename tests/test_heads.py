@@ -21,6 +21,8 @@ def test_untrained_residual_and_parallel_heads_start_as_the_targets_own_guess():
         heads = DraftHeads.for_target(target, kind, 3)
         states = heads(h, ids, target.get_input_embeddings())
         assert torch.equal(states, h.expand(3, -1, -1, -1)), kind
+    # parallel heads read no tokens, so they need no embedding
+    assert torch.equal(DraftHeads.for_target(target, "parallel", 3)(h, ids), h.expand(3, -1, -1, -1))
 
 
 def test_mlp_speculator_export_reproduces_the_heads(tmp_path):
