@@ -19,6 +19,7 @@ _EXPORTS = {
     "UnsupportedModelError": "inference.generate",
     "Drafter": "inference.drafters", "DraftContext": "inference.drafters", "TreeDrafter": "inference.drafters",
     "HeadsDrafter": "inference.drafters", "NGramDrafter": "inference.drafters", "BigramDrafter": "inference.drafters",
+    "HybridDrafter": "inference.drafters",
     "Tree": "inference.tree", "TreeTopology": "inference.tree", "static_tree_search": "inference.tree",
     "topology_from_paths": "inference.tree",
 }

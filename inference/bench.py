@@ -9,7 +9,9 @@ Methods (every speedup is over `ar`, measured in the same run):
 - `ar`: the target's plain `generate(do_sample=False)`;
 - `pld`: `generate(prompt_lookup_num_tokens=...)`, what transformers gives for free;
 - `ngram`, `bigram`: draft-free drafters in our engine (`NGramDrafter`, `BigramDrafter`);
-- `parallel`, `chained`: trained heads (`--heads-parallel`, `--heads`) in our engine.
+- `parallel`, `chained`: trained heads (`--heads-parallel`, `--heads`) in our engine;
+- `chained+ngram`: the chained heads' tree with the n-gram lookup's continuation grafted on
+  (`HybridDrafter`; the lookup takes up to `--lookup-nodes` of each step's budget).
 
 Methods run interleaved per prompt (the order rotates from prompt to prompt) after a warm-up, `--repeats`
 times, so machine drift hits all alike. Per method: tokens/s (all new tokens over all seconds), tau (new
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained")
+ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram")
 
 
 class BenchError(ValueError):
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method (not counted)")
     p.add_argument("--tree", choices=("static", "dynamic"), default="static")
     p.add_argument("--tree-budget", default="auto", help="draft nodes per step for engine methods, or `auto`")
+    p.add_argument("--lookup-nodes", type=int, default=4, help="`chained+ngram`: draft nodes per step the n-gram "
+                                                               "lookup may take from the budget")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for `pld`")
     p.add_argument("--bigram-data", default=None, help="JSONL whose assistant replies (or text) build the bigram "
                                                        "table (default: the data the --heads were trained on)")
@@ -342,7 +346,7 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
         args.bigram_data = _heads_training_data(args.heads) or _heads_training_data(args.heads_parallel)
     if args.methods is None:
         methods = ["ar", "pld", "ngram"] + (["bigram"] if args.bigram_data else []) + \
-                  (["parallel"] if args.heads_parallel else []) + (["chained"] if args.heads else [])
+                  (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else [])
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in ALL_METHODS]
@@ -350,7 +354,7 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
             raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
         if "ar" not in methods:
             methods.insert(0, "ar")  # the reference for speedup and exact_match
-    need = {"chained": ("--heads", args.heads), "parallel": ("--heads-parallel", args.heads_parallel),
+    need = {"chained": ("--heads", args.heads), "chained+ngram": ("--heads", args.heads), "parallel": ("--heads-parallel", args.heads_parallel),
             "bigram": ("--bigram-data", args.bigram_data)}
     for m in methods:
         if m in need and not need[m][1]:
@@ -374,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
-                                 ("--stride", args.stride, 1), ("--warmup", args.warmup, 0), ("--limit", args.limit, 0)):
+                                 ("--stride", args.stride, 1), ("--warmup", args.warmup, 0), ("--limit", args.limit, 0),
+                                 ("--lookup-nodes", args.lookup_nodes, 0)):
             if value < low:
                 raise BenchError(f"{flag} must be >= {low}, got {value}")
         budget: str | int = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
@@ -386,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
+    from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.kernels import use_onednn_linear
     from medusa_train.target import resolve_dtype
 
@@ -413,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 drafter = NGramDrafter()
             elif m == "bigram":
                 drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
+            elif m == "chained+ngram":
+                drafter = HybridDrafter(HeadsDrafter.from_pretrained(args.heads, target),
+                                        lookup_nodes=args.lookup_nodes)
             else:
                 drafter = HeadsDrafter.from_pretrained(args.heads if m == "chained" else args.heads_parallel, target)
             generators[m] = SpeculativeGenerator(target, tokenizer, drafter)

@@ -1,6 +1,6 @@
 """Drafters: propose a tree of candidate continuations after the decided root token.
 
-One small interface, `Drafter.draft(ctx) -> Tree`, with three implementations:
+One small interface, `Drafter.draft(ctx) -> Tree`, with four implementations:
 
 - `HeadsDrafter`: the trained draft heads (chained or parallel). Chained heads expand the tree depth by
   depth, running head k once on the batch of frontier nodes (each reads its parent's state and token).
@@ -9,6 +9,8 @@ One small interface, `Drafter.draft(ctx) -> Tree`, with three implementations:
   propose what followed (several matches give several branches).
 - `BigramDrafter`: a table of each token's most likely successors built from a dataset with the
   target's tokenizer (the classic draft-free baseline).
+- `HybridDrafter`: another drafter's tree (the heads') with the n-gram lookup's continuation grafted
+  on, verified together.
 
 Tree shapes: `static` (a fixed shape from static tree search over per-rank acceptance rates, or an
 explicit list of rank paths) and `dynamic` (EAGLE-2: expand by cumulative draft log-probability, keep
@@ -21,7 +23,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,8 @@ import torch
 from torch import nn
 
 from inference.kernels import linear, use_onednn_linear
-from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, select_dynamic_tree,
-                            static_tree_search, topology_from_paths, tree_from_parents)
+from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
+                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
 
@@ -319,28 +321,58 @@ class NGramDrafter(Drafter):
         return found
 
     def draft(self, ctx: DraftContext) -> Tree:
-        root = ctx.tokens[-1]
-        tokens, parents, depth = [root], [0], [0]
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for cont in self.continuations(ctx.tokens, self.max_depth):
-            node = 0
-            for tok in cont:
-                if (node, tok) not in children:
-                    if len(tokens) > ctx.budget:
-                        break
-                    children[(node, tok)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                    depth.append(depth[node] + 1)
-                node = children[(node, tok)]
-        # tokens were added branch by branch; sort nodes by depth (stable) so parents precede children
-        order = sorted(range(len(tokens)), key=lambda i: depth[i])
-        where = {old: new for new, old in enumerate(order)}
-        device = ctx.root.device
-        t = torch.tensor([tokens[i] for i in order], device=device)
-        par = torch.tensor([where[parents[i]] for i in order], device=device)
-        dep = torch.tensor([depth[i] for i in order], device=device)
-        return tree_from_parents(t, par, dep, max(depth))
+        root = tree_from_parents(ctx.root[:1], torch.zeros(1, dtype=torch.long, device=ctx.root.device),
+                                 torch.zeros(1, dtype=torch.long, device=ctx.root.device), 0)
+        return graft_branches(root, self.continuations(ctx.tokens, self.max_depth), ctx.budget)
+
+
+class HybridDrafter(Drafter):
+    """A drafter's tree with n-gram lookup grafted on: one verify checks both.
+
+    Lookup wins where the reply copies the context (quotes, code, lists, rewrites); trained heads win
+    elsewhere; neither costs much next to the verify. Each step, the lookup's continuations (if the
+    context's last n-gram occurs earlier) take up to `lookup_nodes` of the budget, the primary drafter
+    drafts with the rest, and the continuations are hung under the root sharing the nodes the primary tree
+    already has (a continuation the heads also proposed costs nothing extra). With no match the primary
+    drafter gets the whole budget. The tree shape, tree prior and context history are the primary's.
+    """
+
+    def __init__(self, primary: Drafter, lookup: NGramDrafter | None = None, lookup_nodes: int = 4):
+        if not isinstance(lookup_nodes, int) or lookup_nodes < 0:
+            raise ValueError(f"lookup_nodes must be an int >= 0 (draft nodes per step the lookup may take), "
+                             f"got {lookup_nodes!r}")
+        self.primary = primary
+        self.lookup = lookup if lookup is not None else NGramDrafter(max_depth=max(lookup_nodes, 1), branches=1)
+        self.lookup_nodes = lookup_nodes
+        self.max_depth = max(primary.max_depth, self.lookup.max_depth)
+        self.max_candidates = primary.max_candidates
+        self.needs_history = primary.needs_history
+
+    def topk_accuracy(self) -> list[list[float]]:
+        return self.primary.topk_accuracy()
+
+    def expected_tau(self, max_budget: int) -> list[float]:
+        return self.primary.expected_tau(max_budget)
+
+    def reset(self) -> None:
+        self.primary.reset()
+        self.lookup.reset()
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        self.primary.observe(hidden, next_tokens)
+
+    def draft(self, ctx: DraftContext) -> Tree:
+        share = min(self.lookup_nodes, ctx.budget)
+        branches: list[list[int]] = []
+        if share > 0:
+            for cont in self.lookup.continuations(ctx.tokens, self.lookup.max_depth):
+                cont = cont[:share - sum(map(len, branches))]
+                if not cont:
+                    break
+                branches.append(cont)
+        used = sum(map(len, branches))
+        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used))
+        return graft_branches(tree, branches, used)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -154,6 +154,39 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.
     return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth)
 
 
+def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int) -> Tree:
+    """`tree` with token chains hung under its root, sharing the nodes it already has: each branch walks
+    down from the root through the children holding its tokens and adds the rest, at most `max_new` new
+    nodes in all. Nodes are then ordered by depth (stable: the tree's own nodes first within a depth), so
+    parents still precede children. One host read of the tree; returns `tree` itself when nothing is new."""
+    tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+    child: dict[tuple[int, int], int] = {}
+    for i in range(len(tokens) - 1, 0, -1):  # the first of equal siblings wins (the preferred one)
+        child[(parents[i], tokens[i])] = i
+    added = 0
+    for branch in branches:
+        node = 0
+        for tok in branch:
+            nxt = child.get((node, int(tok)))
+            if nxt is None:
+                if added >= max_new:
+                    break
+                nxt = child[(node, int(tok))] = len(tokens)
+                tokens.append(int(tok))
+                parents.append(node)
+                depth.append(depth[node] + 1)
+                added += 1
+            node = nxt
+    if not added:
+        return tree
+    order = sorted(range(len(tokens)), key=lambda i: depth[i])
+    where = {old: new for new, old in enumerate(order)}
+    device = tree.tokens.device
+    return tree_from_parents(torch.tensor([tokens[i] for i in order], device=device),
+                             torch.tensor([where[parents[i]] for i in order], device=device),
+                             torch.tensor([depth[i] for i in order], device=device), max(depth))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Static tree search (Medusa): grow the tree greedily by expected accepted length under a node budget
 

@@ -1,0 +1,138 @@
+"""HybridDrafter: a primary drafter's tree with the n-gram lookup's continuation grafted on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inference_greedy import ARCHS, PlantedDrafter, float64_model, greedy_reference, random_heads
+from tiny import VOCAB, tiny_tokenizer
+
+from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
+from inference.drafters import DraftContext, Drafter
+from inference.tree import graft_branches, tree_from_parents
+
+
+def _tree(tokens, parents, depth):
+    return tree_from_parents(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), max(depth))
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    """Every node as its token path from the root (root excluded)."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    out = set()
+    for i in range(1, len(toks)):
+        path, j = [], i
+        while j:
+            path.append(toks[j])
+            j = pars[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def _check_order(tree):
+    pars, dep = tree.parents.tolist(), tree.depth.tolist()
+    assert all(pars[i] < i for i in range(1, len(pars))), "parents must precede children"
+    assert dep == sorted(dep), "nodes ordered by depth"
+    assert all(dep[i] == dep[pars[i]] + 1 for i in range(1, len(pars)))
+    assert torch.equal(tree.ancestors, tree_from_parents(tree.tokens, tree.parents, tree.depth, tree.max_depth).ancestors)
+
+
+def test_graft_shares_existing_nodes_and_caps_new_ones():
+    base = _tree([5, 7, 8, 9], [0, 0, 0, 1], [0, 1, 1, 2])  # 5 -> 7 -> 9, 5 -> 8
+    grown = graft_branches(base, [[7, 9, 3, 4], [6]], max_new=3)
+    _check_order(grown)
+    assert _paths(grown) == _paths(base) | {(7, 9, 3), (7, 9, 3, 4), (6,)}
+    assert grown.size == 7 and grown.max_depth == 4
+    assert grown.tokens[:3].tolist() == [5, 7, 8]  # the base's own nodes keep their places within a depth
+    capped = graft_branches(base, [[7, 9, 3, 4], [6]], max_new=1)  # the first branch goes first
+    assert _paths(capped) == _paths(base) | {(7, 9, 3)}
+    assert graft_branches(base, [[7, 9], [8]], max_new=5) is base  # nothing new: the same tree
+    assert graft_branches(base, [[1, 2]], max_new=0) is base
+
+
+class RecordingDrafter(Drafter):
+    """A chain of a fixed token under the root, as long as the budget it is given (recorded)."""
+
+    max_depth = 6
+
+    def __init__(self):
+        self.budgets: list[int] = []
+
+    def draft(self, ctx):
+        self.budgets.append(ctx.budget)
+        n = ctx.budget
+        return tree_from_parents(torch.cat([ctx.root, torch.full((n,), 99)]), (torch.arange(n + 1) - 1).clamp_min(0),
+                                 torch.arange(n + 1), n)
+
+
+def test_hybrid_splits_the_budget_between_lookup_and_primary():
+    primary = RecordingDrafter()
+    hybrid = HybridDrafter(primary, NGramDrafter(max_ngram=2, max_depth=5, branches=2), lookup_nodes=4)
+    tokens = [7, 8, 1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2]  # "1 2" occurred twice: continuations [4 5 6 1 2], [3 9 1 ..]
+    tree = hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=7))
+    assert primary.budgets == [3]  # the lookup took 4 nodes: its best continuation's first 4 tokens
+    _check_order(tree)
+    assert tree.size == 8
+    assert (4, 5, 6, 1) in _paths(tree) and (99, 99, 99) in _paths(tree)
+    # a budget below the lookup's share: the lookup takes it all
+    hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=2))
+    assert primary.budgets[-1] == 0
+    # no match anywhere: the primary drafter gets the whole budget
+    tree = hybrid.draft(DraftContext(torch.tensor([42]), torch.zeros(4), [1, 2, 42], "static", budget=7))
+    assert primary.budgets[-1] == 7 and tree.size == 8
+    # a continuation the primary tree already holds costs nothing extra
+    tree = hybrid.draft(DraftContext(torch.tensor([99]), torch.zeros(4), [99, 99, 99, 99], "static", budget=6))
+    assert _paths(tree) == {(99,) * d for d in range(1, primary.budgets[-1] + 1)}
+    assert hybrid.max_depth == 6
+    with pytest.raises(ValueError, match="lookup_nodes"):
+        HybridDrafter(primary, lookup_nodes=-1)
+
+
+class PlantedLookup(NGramDrafter):
+    """A lookup that always continues with the target's true greedy tokens."""
+
+    def __init__(self, truth: list[int], depth: int):
+        super().__init__(max_depth=depth, branches=1)
+        self.truth = truth
+
+    def continuations(self, tokens, depth):
+        return [self.truth[len(tokens):len(tokens) + depth]]
+
+
+def test_hybrid_accepts_what_the_lookup_grafted():
+    """An adversarial primary (never the true token) plus a lookup that is always right: every step takes
+    the lookup's whole share, so the grafted nodes are verified and accepted like the primary's own."""
+    model = float64_model("llama")
+    input_ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = greedy_reference(model, input_ids, 30, eos_token_id=[])
+    truth = input_ids[0].tolist() + want.tolist()
+    primary = PlantedDrafter(truth, VOCAB, 4, true_rank=None)
+    alone = SpeculativeGenerator(model, tiny_tokenizer(), primary).generate(input_ids, max_new_tokens=30,
+                                                                            tree_budget=6, eos_token_id=[])
+    assert alone.stats.tau == 1.0
+    hybrid = HybridDrafter(primary, PlantedLookup(truth, 3), lookup_nodes=3)
+    out = SpeculativeGenerator(model, tiny_tokenizer(), hybrid).generate(input_ids, max_new_tokens=30,
+                                                                         tree_budget=6, eos_token_id=[])
+    assert out.token_ids.tolist() == want.tolist()
+    assert out.stats.accept_lengths[:-1] == [4] * (len(out.stats.accept_lengths) - 1)  # 3 drafts + the bonus
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_hybrid_greedy_equals_target_generate(arch, tree):
+    """Chained heads (context heads on every other case) + real n-gram lookup on a prompt that repeats
+    itself: output equals the target's greedy output, with EOS mid-way on some cases."""
+    for seed in range(3):
+        model = float64_model(arch, seed=seed)
+        torch.manual_seed(seed)
+        ids = torch.randint(0, VOCAB, (1, 12))
+        input_ids = torch.cat([ids, ids[:, :8]], dim=1)
+        truth_new = greedy_reference(model, input_ids, 40, eos_token_id=[])
+        eos = int(truth_new[17]) if seed == 2 else None
+        want = greedy_reference(model, input_ids, 30, eos_token_id=eos if eos is not None else [])
+        heads = random_heads(model, "chained", 3, seed=seed, context_layers=seed % 2)
+        hybrid = HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=1 + seed)
+        out = SpeculativeGenerator(model, tiny_tokenizer(), hybrid).generate(
+            input_ids, max_new_tokens=30, tree=tree, tree_budget=2 + 3 * seed,
+            eos_token_id=eos if eos is not None else [])
+        assert out.token_ids.tolist() == want.tolist(), (arch, tree, seed)
