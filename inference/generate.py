@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from inference.drafters import DraftContext, Drafter, HeadsDrafter, TreeSpec
+from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafter, TreeSpec
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache, crop_cache, new_cache
 from inference.tree import Tree, tree_from_parents
@@ -188,12 +188,14 @@ class SpeculativeGenerator:
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: str | os.PathLike | nn.Module | None = None,
                         device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                        tokenizer=None) -> SpeculativeGenerator:
+                        tokenizer=None, lookup_nodes: int = 4) -> SpeculativeGenerator:
         """Load heads from `heads_dir` and the target: None = the model named in the heads' config, a path
         or hub name, or an already loaded model. Heads trained for another target are refused
         (HeadsMismatchError). `device` defaults to CUDA when available, `dtype` to bfloat16 on a GPU that
         supports it, else float32; a float32 CPU target runs its linear layers on oneDNN
-        (`inference.kernels`)."""
+        (`inference.kernels`). `lookup_nodes` grafts n-gram prompt lookup onto the heads' tree
+        (`HybridDrafter`): up to that many of each step's draft nodes follow an earlier match of the context
+        (0: the heads alone)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, load_spec
@@ -217,7 +219,10 @@ class SpeculativeGenerator:
             use_onednn_linear(model)  # float32 on a CPU: oneDNN's matmul, faster at every row count
         if tokenizer is None and name:
             tokenizer = AutoTokenizer.from_pretrained(name)
-        return cls(model.eval(), tokenizer, HeadsDrafter.from_pretrained(heads_dir, model))
+        drafter: Drafter = HeadsDrafter.from_pretrained(heads_dir, model)
+        if lookup_nodes:
+            drafter = HybridDrafter(drafter, lookup_nodes=lookup_nodes)
+        return cls(model.eval(), tokenizer, drafter)
 
     # -- input handling -------------------------------------------------------------------------------
 
@@ -465,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--acceptance", choices=("exact", "typical"), default="exact")
     parser.add_argument("--tree", choices=("auto", "static", "dynamic"), default="auto")
     parser.add_argument("--tree-budget", default="auto", help="draft nodes per step, or 'auto'")
+    parser.add_argument("--lookup-nodes", type=int, default=4,
+                        help="draft nodes per step that n-gram prompt lookup may add to the heads' tree (0: heads only)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default=None)
@@ -472,7 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     budget = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
     try:
-        gen = SpeculativeGenerator.from_pretrained(args.heads, target=args.target, device=args.device)
+        gen = SpeculativeGenerator.from_pretrained(args.heads, target=args.target, device=args.device,
+                                                   lookup_nodes=args.lookup_nodes)
         streamer = None
         if args.stream:
             from transformers import TextStreamer

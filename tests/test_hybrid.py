@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from test_inference_greedy import ARCHS, PlantedDrafter, float64_model, greedy_reference, random_heads
-from tiny import VOCAB, tiny_tokenizer
+from tiny import VOCAB, save_tiny, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, Drafter
+from inference.generate import main
 from inference.tree import graft_branches, tree_from_parents
 
 
@@ -136,3 +137,25 @@ def test_hybrid_greedy_equals_target_generate(arch, tree):
             input_ids, max_new_tokens=30, tree=tree, tree_budget=2 + 3 * seed,
             eos_token_id=eos if eos is not None else [])
         assert out.token_ids.tolist() == want.tolist(), (arch, tree, seed)
+
+
+def test_from_pretrained_and_cli_take_lookup_nodes(tmp_path, capsys):
+    model = save_tiny(tmp_path / "target", "llama", seed=3)
+    heads = random_heads(model, "chained", 3, seed=1)
+    heads.spec.target_name = str(tmp_path / "target")
+    heads.save_pretrained(tmp_path / "heads")
+    gen = SpeculativeGenerator.from_pretrained(tmp_path / "heads", device="cpu", lookup_nodes=2)
+    assert isinstance(gen.drafter, HybridDrafter) and gen.drafter.lookup_nodes == 2
+    assert isinstance(gen.drafter.primary, HeadsDrafter)
+    assert isinstance(SpeculativeGenerator.from_pretrained(tmp_path / "heads", device="cpu", lookup_nodes=0).drafter,
+                      HeadsDrafter)
+    assert SpeculativeGenerator.from_pretrained(tmp_path / "heads", device="cpu").drafter.lookup_nodes == 4
+    prompt = "abcabcabc abcabc"
+    ids = gen.encode(prompt)
+    out = gen.generate(prompt, max_new_tokens=12, tree_budget=4, eos_token_id=[])
+    assert out.token_ids.tolist() == greedy_reference(gen.target, ids.cpu(), 12, eos_token_id=[]).tolist()
+    assert main(["--heads", str(tmp_path / "heads"), "--prompt", prompt, "--max-new-tokens", "12",
+                 "--tree-budget", "4", "--lookup-nodes", "2", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").split("\n")[:-1] == [out.text]
+    assert main(["--heads", str(tmp_path / "heads"), "--prompt", prompt, "--lookup-nodes", "-1"]) == 2
+    assert "lookup_nodes" in capsys.readouterr().err
