@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ Acceptance = Literal["exact", "typical"]
 AUTO_BUDGET_LENGTHS_CPU = tuple(range(1, 17)) + (24, 32)
 AUTO_BUDGET_LENGTHS_GPU = (1, 2, 4, 8, 16, 32, 64, 96)
 AUTO_BUDGET_PREFIX = 128  # prefix length the verify timings are taken at
+# target -> {tokens: seconds}: generators sharing a target share one measurement, so they pick their
+# budgets from the same timings (separate measurements differ by machine noise; see verify_seconds)
+_VERIFY_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class UnsupportedModelError(ValueError):
@@ -400,7 +404,10 @@ class SpeculativeGenerator:
                 f"shorten the prompt or lower max_new_tokens to {max(limit - prompt_len - self.drafter.max_depth, 0)}")
 
     def verify_seconds(self) -> dict[int, float]:
-        """Seconds per target forward of L tokens after a prefix, for a few L (measured once, cached)."""
+        """Seconds per target forward of L tokens after a prefix, for a few L (measured once per target and
+        shared by every generator on it; measure again with `remeasure_verify_seconds`)."""
+        if self._verify_seconds is None:
+            self._verify_seconds = _VERIFY_SECONDS.get(self.target)
         if self._verify_seconds is None:
             lengths = AUTO_BUDGET_LENGTHS_GPU if self.device.type == "cuda" else AUTO_BUDGET_LENGTHS_CPU
             vocab = self.target.get_output_embeddings().weight.shape[0]
@@ -427,8 +434,14 @@ class SpeculativeGenerator:
             running = 0.0
             for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
                 running = times[n] = max(times[n], running)
-            self._verify_seconds = times
+            self._verify_seconds = _VERIFY_SECONDS[self.target] = times
         return self._verify_seconds
+
+    def remeasure_verify_seconds(self) -> None:
+        """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
+        and the auto budget derived from them; the next `generate` measures again."""
+        _VERIFY_SECONDS.pop(self.target, None)
+        self._verify_seconds, self._auto_budget = None, None
 
     def auto_tree_budget(self) -> int:
         """The draft-node budget maximising expected tau / verify time on this machine (verify time

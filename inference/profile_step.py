@@ -3,8 +3,10 @@
 Builds a random Llama shaped like SmolLM2-135M (hidden 576, 30 layers, vocab 49152) in-process, random
 chained heads, and times each phase of `speculative_step` over many steps (synchronising the device
 between phases so each phase is charged its own kernels), plus whole steps without the extra syncs.
+On a CPU the float32 linear layers run on oneDNN, as in the benchmark (`--cpu-linear default`: MKL).
 
-    python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40]
+    python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40] \
+        [--context-layers 1] [--lookup-nodes 4]
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import time
 
 import torch
 
-from inference.drafters import DraftContext, HeadsDrafter
+from inference.drafters import DraftContext, HeadsDrafter, HybridDrafter
 from inference.generate import Sampling, SpeculativeGenerator
+from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache
 from inference.verify import verify_tree
 
@@ -32,16 +35,23 @@ def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
 
 def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: int = 40, num_heads: int = 4,
             prompt_len: int = 128, temperature: float = 0.0, kind: str = "chained",
-            draft_vocab: int = 0, dtype: torch.dtype | None = None) -> dict[str, float]:
+            draft_vocab: int = 0, dtype: torch.dtype | None = None, context_layers: int = 0,
+            lookup_nodes: int = 0, onednn: bool = True) -> dict[str, float]:
     """Mean milliseconds per step of each phase, and of whole steps. draft_vocab > 0 gives the heads a
-    reduced scored vocabulary (the first draft_vocab ids, standing in for the most frequent tokens)."""
+    reduced scored vocabulary (the first draft_vocab ids, standing in for the most frequent tokens);
+    context_layers > 0 gives them a context encoder (its `observe` is timed as a phase); lookup_nodes > 0
+    grafts n-gram lookup onto their tree (`HybridDrafter`)."""
     from medusa_train.heads import DraftHeads
 
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model = smollm2_like(device, dtype)
-    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads,
+    if onednn:
+        use_onednn_linear(model)
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, context_layers=context_layers,
                                   draft_ids=torch.arange(draft_vocab) if draft_vocab else None)
-    gen = SpeculativeGenerator(model, None, HeadsDrafter(heads, model))
+    drafter = HeadsDrafter(heads, model)
+    gen = SpeculativeGenerator(model, None, HybridDrafter(drafter, lookup_nodes=lookup_nodes) if lookup_nodes
+                               else drafter)
     sampling = Sampling(temperature=temperature,
                         generator=torch.Generator(device=device).manual_seed(0) if temperature else None)
     ids = (torch.arange(prompt_len, device=device) * 37 + 11)[None] % 49152
@@ -50,7 +60,7 @@ def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: i
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    phases = dict(draft=0.0, verify=0.0, accept=0.0, compact=0.0)
+    phases = dict(draft=0.0, verify=0.0, accept=0.0, compact=0.0, observe=0.0)
     with torch.inference_mode():
         state = gen.prefill(ids, sampling)
         for _ in range(3):  # warm up
@@ -70,10 +80,14 @@ def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: i
             t3 = time.perf_counter()
             compact_cache(state.cache, prefix_len, acc.path[:n])
             state.root, state.hidden = acc.bonus.view(1), h[acc.best]
-            state.tokens.extend(new)
             sync()
             t4 = time.perf_counter()
-            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            if gen.drafter.needs_history:
+                gen.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
+            state.tokens.extend(new)
+            sync()
+            t5 = time.perf_counter()
+            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 phases[name] += dt
         sync()
         t0 = time.perf_counter()
@@ -83,7 +97,7 @@ def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: i
         whole = time.perf_counter() - t0
     out = {name: 1e3 * total / steps for name, total in phases.items()}
     out["step"] = 1e3 * whole / steps
-    out["engine_share_of_verify"] = (out["draft"] + out["accept"] + out["compact"]) / out["verify"]
+    out["engine_share_of_verify"] = (out["draft"] + out["accept"] + out["compact"] + out["observe"]) / out["verify"]
     return out
 
 
@@ -97,6 +111,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--kind", default="chained", choices=("chained", "parallel"))
     parser.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
+    parser.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
+    parser.add_argument("--lookup-nodes", type=int, default=0, help="graft n-gram lookup onto the heads' tree")
+    parser.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     args = parser.parse_args()
@@ -105,7 +122,9 @@ def main() -> None:
     for tree in args.tree:
         for budget in args.budget:
             r = profile(args.device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
-                        draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None)
+                        draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                        context_layers=args.context_layers, lookup_nodes=args.lookup_nodes,
+                        onednn=args.cpu_linear == "onednn")
             print(f"{args.device} {args.dtype or 'default dtype'} {args.kind} draft_vocab={args.draft_vocab or 'full'} tree={tree} budget={budget} "
                   f"T={args.temperature}: "
                   + " ".join(f"{k}={v:.2f}ms" for k, v in r.items() if k != "engine_share_of_verify")

@@ -7,7 +7,8 @@ Stages (each prints what it does and how long it took; every stage resumes or re
 2. distill   SmolLM2's own greedy replies to the offline default prompt pool (`medusa_train.prompts`);
 3. train     chained heads, then Medusa-1 parallel heads (the baseline), shortened runs of
              recipes/smollm2-135m.yaml on that data;
-4. bench     ar, pld, ngram, bigram, parallel and chained on held-out prompts: MT-Bench first turns when
+4. bench     ar, pld, ngram, bigram, parallel, chained and chained+ngram (the heads with n-gram lookup
+             grafted on, what `SpeculativeGenerator.from_pretrained` does) on held-out prompts: MT-Bench first turns when
              ../shared/data/mt_bench_question.jsonl exists (or $MEDUSA_BENCH_PROMPTS), else the default
              pool's held-out split; prints the results table, writes results.json and bench.png.
 

@@ -182,6 +182,22 @@ def test_auto_budget_is_measured_once_and_in_range():
     assert out.token_ids.tolist() == greedy_reference(model, ids, 6, eos_token_id=[]).tolist()
 
 
+def test_generators_on_one_target_share_the_verify_timings():
+    """The bench builds one generator per method on a shared target: they must choose their budgets from
+    one measurement, not from separate ones that differ by machine noise."""
+    model, other = float64_model("llama"), float64_model("llama", seed=1)
+    a = SpeculativeGenerator(model, None, NGramDrafter())
+    b = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model))
+    times = a.verify_seconds()
+    assert b.verify_seconds() is times
+    assert SpeculativeGenerator(other, None, NGramDrafter()).verify_seconds() is not times
+    b.auto_tree_budget()
+    b.remeasure_verify_seconds()
+    again = b.verify_seconds()
+    assert again is not times and sorted(again) == sorted(times)
+    assert SpeculativeGenerator(model, None, NGramDrafter()).verify_seconds() is again
+
+
 def test_cli_prints_text_and_one_stats_line(heads_dir, capsys):
     code = main(["--heads", str(heads_dir / "heads"), "--prompt", "abc", "--max-new-tokens", "8",
                  "--tree-budget", "3", "--device", "cpu"])

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from inference import HeadsDrafter, SpeculativeGenerator, TreeDrafter
+from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
 from medusa_train.heads import DraftHeads
 
 V = 4
@@ -66,11 +66,11 @@ def exact_joint(model, temperature: float = 1.0, top_p: float = 1.0) -> torch.Te
     return joint
 
 
-def empirical_counts(gen: SpeculativeGenerator, n: int, **kw) -> torch.Tensor:
+def empirical_counts(gen: SpeculativeGenerator, n: int, tree=PATHS, tree_budget: int = 0, **kw) -> torch.Tensor:
     counts = torch.zeros(V, V, V, dtype=torch.float64)
     for seed in range(n):
-        out = gen.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, tree=PATHS, tree_budget=0, eos_token_id=[],
-                           **kw)
+        out = gen.generate(PROMPT, max_new_tokens=N_TOKENS, seed=seed, tree=tree, tree_budget=tree_budget,
+                           eos_token_id=[], **kw)
         a, b, c = out.token_ids.tolist()
         counts[a, b, c] += 1
     return counts
@@ -130,6 +130,22 @@ def test_lossless_with_temperature_top_p_and_repeated_candidates():
     counts = empirical_counts(gen, 1500, temperature=0.7, top_p=0.8)
     stat, threshold = chi_square(counts, probs)
     assert stat < threshold, (stat, threshold)
+
+
+def test_lossless_with_lookup_grafted_onto_the_heads_tree():
+    """HybridDrafter: n-gram continuations (which depend on what was sampled so far) hang under the root
+    next to, and merged with, the heads' candidates; the distribution stays the target's."""
+    model = small_vocab_model(seed=2)
+    probs = exact_joint(model)
+    gen = heads_generator(model)
+    gen.drafter = HybridDrafter(gen.drafter, NGramDrafter(max_ngram=2, max_depth=3, branches=2), lookup_nodes=3)
+    primary_budgets = []
+    draft = gen.drafter.primary.draft
+    gen.drafter.primary.draft = lambda ctx: primary_budgets.append(ctx.budget) or draft(ctx)
+    counts = empirical_counts(gen, 1500, tree="static", tree_budget=6, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+    assert min(primary_budgets) < 6  # the lookup took part of the budget on some steps
 
 
 def test_typical_acceptance_is_lossy():
