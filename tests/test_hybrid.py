@@ -75,8 +75,10 @@ def test_hybrid_splits_the_budget_between_lookup_and_primary():
     _check_order(tree)
     assert tree.size == 8
     assert (4, 5, 6, 1) in _paths(tree) and (99, 99, 99) in _paths(tree)
-    # a budget below the lookup's share: the lookup takes it all
-    hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=2))
+    # the lookup never takes more than half the budget (rounded up)
+    tree = hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=3))
+    assert primary.budgets[-1] == 1 and (4, 5) in _paths(tree) and (4, 5, 6) not in _paths(tree)
+    hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=1))
     assert primary.budgets[-1] == 0
     # no match anywhere: the primary drafter gets the whole budget
     tree = hybrid.draft(DraftContext(torch.tensor([42]), torch.zeros(4), [1, 2, 42], "static", budget=7))
