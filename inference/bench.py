@@ -255,9 +255,10 @@ def machine_description(device: torch.device | str) -> str:
 
 
 def format_table(summary: dict[str, dict[str, float | bool]]) -> str:
-    lines = [f"{'method':<10}{'tokens/s':>10}{'tau':>8}{'speedup':>10}  exact_match"]
+    w = max([len("method")] + [len(name) for name in summary]) + 2
+    lines = [f"{'method':<{w}}{'tokens/s':>10}{'tau':>8}{'speedup':>10}  exact_match"]
     for name, m in summary.items():
-        lines.append(f"{name:<10}{m['tokens_per_s']:>10.1f}{m['tau']:>8.2f}{m['speedup']:>9.2f}x  "
+        lines.append(f"{name:<{w}}{m['tokens_per_s']:>10.1f}{m['tau']:>8.2f}{m['speedup']:>9.2f}x  "
                      f"{'yes' if m['exact_match'] else 'NO'}")
     return "\n".join(lines)
 
@@ -281,6 +282,7 @@ def plot(summary: dict[str, dict[str, float | bool]], path: str, title: str = ""
                 bar.set_hatch("//")
             ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.tick_params(axis="x", labelrotation=25, labelsize=8)
         ax.set_title(label, fontsize=10)
     if title:
         fig.suptitle(title, fontsize=9)

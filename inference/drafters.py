@@ -336,7 +336,11 @@ class HybridDrafter(Drafter):
     drafts with the rest, and the continuations are hung under the root sharing the nodes the primary tree
     already has (a continuation the heads also proposed costs nothing extra). With no match the primary
     drafter gets the whole budget. The tree shape, tree prior and context history are the primary's.
+    `share_nodes` (None: on a CPU only) merges the continuation into the primary tree's own nodes, which
+    reads the tree on the host; on a GPU it is appended as is, keeping the step at one host sync.
     """
+
+    share_nodes: bool | None = None
 
     def __init__(self, primary: Drafter, lookup: NGramDrafter | None = None, lookup_nodes: int = 4):
         if not isinstance(lookup_nodes, int) or lookup_nodes < 0:
@@ -373,7 +377,7 @@ class HybridDrafter(Drafter):
                 branches.append(cont)
         used = sum(map(len, branches))
         tree = self.primary.draft(replace(ctx, budget=ctx.budget - used))
-        return graft_branches(tree, branches, used)
+        return graft_branches(tree, branches, used, self.share_nodes)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -154,12 +154,24 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.
     return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth)
 
 
-def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int) -> Tree:
-    """`tree` with token chains hung under its root, sharing the nodes it already has: each branch walks
-    down from the root through the children holding its tokens and adds the rest, at most `max_new` new
-    nodes in all. Nodes are then ordered by depth (stable: the tree's own nodes first within a depth), so
-    parents still precede children. One host read of the tree; returns `tree` itself when nothing is new."""
-    tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None) -> Tree:
+    """`tree` with token chains (host ints) hung under its root, at most `max_new` new nodes in all.
+
+    share=True: each branch walks down from the root through the tree's children holding its tokens and adds
+    only the rest; nodes are then ordered by depth (stable: the tree's own nodes first within a depth). This
+    reads the tree on the host. share=False: the branches are appended after the tree's nodes as they are
+    (sharing prefixes only among themselves), with no host read, so a GPU step keeps its single sync; a
+    branch that repeats tree nodes costs verify rows that are nearly free there, and verification handles
+    the repeated siblings. None: share on a CPU only. Either way parents precede children.
+    """
+    if share is None:
+        share = tree.tokens.device.type == "cpu"
+    if share:
+        tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+        start = 1
+    else:
+        tokens, parents, depth = [0], [0], [0]  # the root only; new nodes are offset by the tree's size below
+        start = len(tokens)
     child: dict[tuple[int, int], int] = {}
     for i in range(len(tokens) - 1, 0, -1):  # the first of equal siblings wins (the preferred one)
         child[(parents[i], tokens[i])] = i
@@ -179,9 +191,16 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int) 
             node = nxt
     if not added:
         return tree
+    device = tree.tokens.device
+    if not share:
+        offset = tree.size - 1  # new node k (1-based here) becomes tree.size + k - 1
+        new_parents = [p + offset if p else 0 for p in parents[start:]]
+        return tree_from_parents(torch.cat([tree.tokens, torch.tensor(tokens[start:], device=device)]),
+                                 torch.cat([tree.parents, torch.tensor(new_parents, device=device)]),
+                                 torch.cat([tree.depth, torch.tensor(depth[start:], device=device)]),
+                                 max(tree.max_depth, max(depth)))
     order = sorted(range(len(tokens)), key=lambda i: depth[i])
     where = {old: new for new, old in enumerate(order)}
-    device = tree.tokens.device
     return tree_from_parents(torch.tensor([tokens[i] for i in order], device=device),
                              torch.tensor([where[parents[i]] for i in order], device=device),
                              torch.tensor([depth[i] for i in order], device=device), max(depth))

@@ -51,6 +51,19 @@ def test_graft_shares_existing_nodes_and_caps_new_ones():
     assert graft_branches(base, [[1, 2]], max_new=0) is base
 
 
+def test_graft_without_sharing_appends_after_the_tree():
+    """The GPU path: no host read of the tree, the branches go after its nodes as they are (sharing
+    prefixes only among themselves), so a continuation the tree already holds repeats its nodes."""
+    base = _tree([5, 7, 8, 9], [0, 0, 0, 1], [0, 1, 1, 2])
+    grown = graft_branches(base, [[7, 9, 3], [7, 6]], max_new=4, share=False)
+    assert grown.tokens.tolist() == [5, 7, 8, 9, 7, 9, 3, 6]
+    assert grown.parents.tolist() == [0, 0, 0, 1, 0, 4, 5, 4]
+    assert grown.depth.tolist() == [0, 1, 1, 2, 1, 2, 3, 2] and grown.max_depth == 3
+    assert torch.equal(grown.ancestors, tree_from_parents(grown.tokens, grown.parents, grown.depth, 3).ancestors)
+    assert graft_branches(base, [[7, 9, 3]], max_new=2, share=False).tokens.tolist() == [5, 7, 8, 9, 7, 9]
+    assert graft_branches(base, [[7]], max_new=0, share=False) is base
+
+
 class RecordingDrafter(Drafter):
     """A chain of a fixed token under the root, as long as the budget it is given (recorded)."""
 
@@ -135,6 +148,7 @@ def test_hybrid_greedy_equals_target_generate(arch, tree):
         want = greedy_reference(model, input_ids, 30, eos_token_id=eos if eos is not None else [])
         heads = random_heads(model, "chained", 3, seed=seed, context_layers=seed % 2)
         hybrid = HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=1 + seed)
+        hybrid.share_nodes = seed != 1  # seed 1 takes the GPU path: appended, repeated nodes and all
         out = SpeculativeGenerator(model, tiny_tokenizer(), hybrid).generate(
             input_ids, max_new_tokens=30, tree=tree, tree_budget=2 + 3 * seed,
             eos_token_id=eos if eos is not None else [])
