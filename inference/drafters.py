@@ -32,7 +32,8 @@ from torch import nn
 
 from inference.kernels import linear, use_onednn_linear
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
-                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
+                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents,
+                            trim_tree)
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
 
@@ -45,6 +46,8 @@ class DraftContext:
     hidden: [d] the target's final hidden state h_t at the last committed position (root's predecessor).
     tokens: the whole sequence on the host, prompt + generated, root included.
     tree: "static" | "dynamic" | explicit rank paths. budget: max draft nodes (root excluded).
+    costs: None, or costs[n] = seconds of a verify forward over n tokens (n = 0..budget + 1 at least):
+    drafters that score their candidates then drop nodes not worth their verify rows (`tree.trim_tree`).
     """
 
     root: torch.Tensor
@@ -52,6 +55,7 @@ class DraftContext:
     tokens: list[int]
     tree: TreeSpec
     budget: int
+    costs: Sequence[float] | None = None
 
 
 class Drafter:
@@ -127,8 +131,10 @@ class TreeDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> Tree:
         _validate_tree(ctx.tree)
         if ctx.tree == "dynamic":
-            return self.draft_dynamic(ctx)
-        return self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
+            tree = self.draft_dynamic(ctx)
+        else:
+            tree = self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
+        return tree if ctx.costs is None else trim_tree(tree, ctx.costs)
 
     def draft_static(self, topo: TreeTopology, ctx: DraftContext) -> Tree:
         """Fill a fixed shape: node (r_1..r_d) takes the r_d-th candidate proposed after its parent."""
@@ -137,17 +143,19 @@ class TreeDrafter(Drafter):
                              f"levels: shorten the tree paths")
         tokens = ctx.root.new_zeros(topo.size)
         tokens[0] = ctx.root[0]
+        scores = torch.zeros(topo.size, device=tokens.device)  # cumulative draft log-probability
         s0 = self.root_state(ctx)
         states = None if s0 is None else s0.new_zeros(topo.size, s0.shape[-1])
         if states is not None:
             states[0] = s0[0]
         for k, level in enumerate(topo.levels):
-            cand, _, child_state = self.propose(k, tokens[level.parents],
-                                                None if states is None else states[level.parents], level.num_ranks)
+            cand, logq, child_state = self.propose(k, tokens[level.parents],
+                                                   None if states is None else states[level.parents], level.num_ranks)
             tokens[level.nodes] = cand[level.slot, level.rank]
+            scores[level.nodes] = scores[level.parents][level.slot] + logq[level.slot, level.rank].float()
             if child_state is not None:
                 states[level.nodes] = child_state[level.slot]
-        return topo.with_tokens(tokens)
+        return topo.with_tokens(tokens, scores)
 
     def draft_dynamic(self, ctx: DraftContext) -> Tree:
         """EAGLE-2: expand the `dynamic_topk` best frontier nodes per depth by their top-k children, scored
@@ -376,7 +384,8 @@ class HybridDrafter(Drafter):
                     break
                 branches.append(cont)
         used = sum(map(len, branches))
-        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used))
+        costs = None if ctx.costs is None else ctx.costs[used:]  # the primary's n nodes verify next to `used`
+        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used, costs=costs))
         return graft_branches(tree, branches, used, self.share_nodes)
 
 

@@ -185,6 +185,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.device = target.get_output_embeddings().weight.device
         self._verify_seconds: dict[int, float] | None = None  # tokens -> seconds, measured once
+        self._verify_costs: list[float] | None = None  # interpolated per token count
         self._auto_budget: int | None = None
         if self_check:
             check_tree_attention(target)
@@ -298,9 +299,11 @@ class SpeculativeGenerator:
             return accept_typical(tree, p, sampling.generator)
         return accept_lossless(tree, p, sampling.generator)
 
-    def speculative_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling) -> list[int]:
-        """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus)."""
-        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget))
+    def speculative_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling,
+                         costs: Sequence[float] | None = None) -> list[int]:
+        """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus).
+        `costs` (verify seconds per token count) lets the drafter drop nodes not worth their rows."""
+        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget, costs))
         prefix_len = cache_length(state.cache)
         logits, h = verify_tree(self.target, state.cache, draft)  # [N, V], [N, d]
         acc = self.accept(draft, logits, sampling)
@@ -323,7 +326,9 @@ class SpeculativeGenerator:
         says). With temperature > 0, `acceptance="exact"` samples exactly from the target's (temperature,
         top_p) distribution; `"typical"` is Medusa's typical acceptance: more tokens per step, but lossy. `tree`: "auto"
         (= "static"), "static" (shape from static tree search), "dynamic" (EAGLE-2 style), or a list of
-        rank paths; `tree_budget`: draft nodes per step (root excluded) or "auto" (tuned on this machine).
+        rank paths; `tree_budget`: draft nodes per step (root excluded) or "auto" (tuned on this machine; on a
+        CPU each step then also drops the drafts whose probability is not worth their verify rows,
+        `tree.trim_tree`, so a step with no likely draft verifies its root alone).
         `streamer` follows the transformers protocol (`put` the prompt, then new tokens; `end`).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -337,8 +342,11 @@ class SpeculativeGenerator:
         tree = "static" if tree == "auto" else tree
         if isinstance(tree, str) and tree not in ("static", "dynamic"):
             raise ValueError(f"tree must be 'auto', 'static', 'dynamic' or a list of rank paths, got {tree!r}")
+        costs = None
         if tree_budget == "auto":
             budget = self.auto_tree_budget()
+            if self.device.type == "cpu" and isinstance(tree, str):  # trimming reads k on the host: CPU only
+                costs = self.verify_costs()
         elif isinstance(tree_budget, int) and tree_budget >= 0:
             budget = tree_budget
         else:
@@ -377,7 +385,7 @@ class SpeculativeGenerator:
                 stats.target_forwards = 1
                 done = emit(state.tokens[-1:])
                 while not done:
-                    new = self.speculative_step(state, tree, budget, sampling)
+                    new = self.speculative_step(state, tree, budget, sampling, costs)
                     stats.steps += 1
                     stats.accept_lengths.append(len(new))
                     done = emit(new)
@@ -441,24 +449,33 @@ class SpeculativeGenerator:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
         and the auto budget derived from them; the next `generate` measures again."""
         _VERIFY_SECONDS.pop(self.target, None)
-        self._verify_seconds, self._auto_budget = None, None
+        self._verify_seconds, self._verify_costs, self._auto_budget = None, None, None
+
+    def verify_costs(self) -> list[float]:
+        """costs[n]: seconds of a verify forward over n tokens, n = 0..the longest measured (costs[0] = 0),
+        interpolated between the measured lengths (computed once per generator)."""
+        if self._verify_costs is None:
+            times = self.verify_seconds()
+            lengths = sorted(times)
+            costs = [0.0]
+            for n in range(1, max(lengths) + 1):
+                hi = next(length for length in lengths if length >= n)
+                lo = max(length for length in lengths if length <= n)
+                costs.append(times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo))
+            self._verify_costs = costs
+        return self._verify_costs
 
     def auto_tree_budget(self) -> int:
         """The draft-node budget maximising expected tau / verify time on this machine (verify time
         interpolated between the measured lengths; expected tau from the drafter's static tree prior).
         Computed once per generator."""
         if self._auto_budget is None:
-            times = self.verify_seconds()
-            lengths = sorted(times)
-            tau = self.drafter.expected_tau(max(lengths) - 1)
+            costs = self.verify_costs()
+            tau = self.drafter.expected_tau(len(costs) - 2)
             best, best_rate = 0, 0.0
-            for budget in range(0, max(lengths)):
-                n = budget + 1  # tokens in the verify forward
-                hi = next(length for length in lengths if length >= n)
-                lo = max(length for length in lengths if length <= n)
-                t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
-                if tau[budget] / t > best_rate:
-                    best, best_rate = budget, tau[budget] / t
+            for budget in range(0, len(costs) - 1):
+                if tau[budget] / costs[budget + 1] > best_rate:
+                    best, best_rate = budget, tau[budget] / costs[budget + 1]
             self._auto_budget = best
         return self._auto_budget
 

@@ -36,6 +36,8 @@ class Tree:
     depth: [N] long, 0 for the root.
     ancestors: [N, N] bool, ancestors[i, j] = node j is node i or one of its ancestors.
     max_depth: host int, the deepest node's depth.
+    scores: [N] float or None, the drafter's cumulative log-probability of each node's path (root 0), where
+    the drafter scores its candidates.
     """
 
     tokens: torch.Tensor
@@ -43,6 +45,7 @@ class Tree:
     depth: torch.Tensor
     ancestors: torch.Tensor
     max_depth: int
+    scores: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -82,8 +85,8 @@ class TreeTopology:
     def max_depth(self) -> int:
         return len(self.levels)
 
-    def with_tokens(self, tokens: torch.Tensor) -> Tree:
-        return Tree(tokens, self.parents, self.depth, self.ancestors, self.max_depth)
+    def with_tokens(self, tokens: torch.Tensor, scores: torch.Tensor | None = None) -> Tree:
+        return Tree(tokens, self.parents, self.depth, self.ancestors, self.max_depth, scores)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -149,9 +152,41 @@ def topology_from_paths(paths: Sequence[Sequence[int]], device: torch.device | s
                         ancestor_matrix(parents_t, max_depth), levels)
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, max_depth: int) -> Tree:
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, max_depth: int,
+                      scores: torch.Tensor | None = None) -> Tree:
     """A tree from explicit per-node arrays (nodes must be in topological order)."""
-    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth)
+    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores)
+
+
+def _keep_nodes(tree: Tree, keep: torch.Tensor) -> Tree:
+    """The subtree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors)."""
+    new_index = torch.zeros(tree.size, dtype=torch.long, device=keep.device)
+    new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
+    max_depth = int(tree.depth[keep].max()) if keep.shape[0] > 1 else 0
+    return tree_from_parents(tree.tokens[keep], new_index[tree.parents[keep]], tree.depth[keep], max_depth,
+                             None if tree.scores is None else tree.scores[keep])
+
+
+def trim_tree(tree: Tree, costs: Sequence[float]) -> Tree:
+    """Keep the root and the k most probable nodes, k maximising expected tokens per second of verify:
+    (1 + sum of their path probabilities exp(score)) / costs[k + 1], where costs[n] is the verify time of n
+    tokens. Where a verify of a few tokens costs much more than one (a CPU), a step whose drafts are all
+    unlikely verifies the root alone; where the cost is flat (a GPU) every node stays. A node's path
+    probability never exceeds its parent's (and a tiny depth penalty breaks ties), so the kept nodes form
+    a tree. Reads k on the host: meant for CPUs. Returns `tree` itself when every node stays."""
+    n = tree.size
+    if tree.scores is None or n <= 1:
+        return tree
+    limit = min(n, len(costs) - 1)  # nodes the costs cover
+    key = tree.scores[1:].float() - 1e-4 * tree.depth[1:].float()
+    order = torch.argsort(key, descending=True, stable=True)[:limit - 1] + 1  # best nodes first
+    gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(tree.scores[order].float().exp(), 0)])  # [limit]
+    rate = gain / torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device)
+    k = int(torch.argmax(rate))  # first maximum: the smaller tree on ties
+    if k == n - 1:
+        return tree
+    keep = torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values
+    return _keep_nodes(tree, keep)
 
 
 def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None) -> Tree:
@@ -287,4 +322,4 @@ def select_dynamic_tree(tokens: torch.Tensor, parents: torch.Tensor, depth: torc
     keep = torch.cat([picked.new_zeros(1), torch.sort(picked).values])  # [budget + 1], topological order
     new_index = torch.zeros(pool, dtype=torch.long, device=tokens.device)
     new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
-    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth)
+    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth, scores[keep].float())

@@ -10,7 +10,7 @@ from tiny import VOCAB, save_tiny, tiny_tokenizer
 from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, Drafter
 from inference.generate import main
-from inference.tree import graft_branches, tree_from_parents
+from inference.tree import graft_branches, tree_from_parents, trim_tree
 
 
 def _tree(tokens, parents, depth):
@@ -175,3 +175,72 @@ def test_from_pretrained_and_cli_take_lookup_nodes(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip("\n").split("\n")[:-1] == [out.text]
     assert main(["--heads", str(tmp_path / "heads"), "--prompt", prompt, "--lookup-nodes", "-1"]) == 2
     assert "lookup_nodes" in capsys.readouterr().err
+
+
+# -- cost-aware trimming (tree.trim_tree; on a CPU with the auto budget) -------------------------------
+
+
+def test_trim_tree_keeps_the_nodes_worth_their_verify_rows():
+    # root -> a (p .6) -> c (p .6 * .5 = .3); root -> b (p .1)
+    tree = tree_from_parents(torch.tensor([5, 7, 8, 9]), torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 1, 2]), 2,
+                             torch.tensor([1.0, 0.6, 0.1, 0.3]).log())
+    assert trim_tree(tree, [0.0, 1.0, 1.0, 1.0, 1.0]) is tree  # flat cost: every node pays
+    assert trim_tree(tree, [0.0, 1.0, 10.0, 10.0, 10.0]).size == 1  # one extra row costs 10x: the root alone
+    # costs 1, 1.5, 1.8, 2.4: rates 1, 1.6/1.5, 1.9/1.8, 2.0/2.4 -> keep a alone
+    assert trim_tree(tree, [0.0, 1.0, 1.5, 1.8, 2.4]).tokens.tolist() == [5, 7]
+    # costs 1, 1.5, 1.7, 2.4: rates 1, 1.6/1.5, 1.9/1.7, 2.0/2.4 -> keep a and c (the best two)
+    kept = trim_tree(tree, [0.0, 1.0, 1.5, 1.7, 2.4])
+    assert kept.tokens.tolist() == [5, 7, 9] and kept.parents.tolist() == [0, 0, 1] and kept.max_depth == 2
+    assert torch.allclose(kept.scores.exp(), torch.tensor([1.0, 0.6, 0.3]))
+    assert torch.equal(kept.ancestors, tree_from_parents(kept.tokens, kept.parents, kept.depth, 2).ancestors)
+    # equal probabilities down a chain: the depth penalty keeps parents ahead of children
+    chain = tree_from_parents(torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2]), 2,
+                              torch.zeros(3))
+    assert trim_tree(chain, [0.0, 1.0, 1.2, 10.0]).tokens.tolist() == [1, 2]
+    assert trim_tree(_tree([1, 2], [0, 0], [0, 1]), [0.0, 1.0, 10.0]).size == 2  # no scores: nothing to trim
+
+
+def test_static_drafts_carry_their_path_log_probabilities():
+    truth = list(range(40))
+    drafter = PlantedDrafter(truth, VOCAB, 3, true_rank=0)  # candidate r has log q = -r
+    tree = drafter.draft(DraftContext(torch.tensor([5]), torch.zeros(4), truth[:6], [(0,), (1,), (0, 2), (1, 0)], 4))
+    paths = {(0,): -0.0, (1,): -1.0, (0, 2): -2.0, (1, 0): -1.0}
+    assert sorted(tree.scores.tolist()) == sorted([0.0] + list(paths.values()))
+
+
+def test_auto_budget_on_a_cpu_trims_and_stays_exact():
+    """Steep verify costs make most steps drop their unlikely drafts; the output is still the target's."""
+    for arch in ARCHS:
+        model = float64_model(arch, seed=1)
+        input_ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(5))
+        want = greedy_reference(model, input_ids, 25, eos_token_id=[])
+        for hybrid in (False, True):
+            drafter = HeadsDrafter(random_heads(model, "chained", 3, seed=2, context_layers=int(hybrid)), model)
+            gen = SpeculativeGenerator(model, tiny_tokenizer(), HybridDrafter(drafter) if hybrid else drafter)
+            gen.verify_costs = lambda: [0.0, 1.0] + [1.5 + 0.01 * n for n in range(2, 33)]
+            gen._auto_budget = 8
+            sizes = []
+            draft = gen.drafter.draft
+            gen.drafter.draft = lambda ctx: sizes.append(ctx.budget) or _record(draft(ctx), sizes)
+            out = gen.generate(input_ids, max_new_tokens=25, eos_token_id=[])
+            assert out.token_ids.tolist() == want.tolist(), (arch, hybrid)
+            tree_sizes = sizes[1::2]
+            assert min(tree_sizes) < 9, (arch, hybrid)  # some steps were trimmed below budget + 1
+
+
+def _record(tree, sizes):
+    sizes.append(tree.size)
+    return tree
+
+
+def test_hybrid_hands_the_primary_the_costs_after_its_share():
+    class Costs(RecordingDrafter):
+        def draft(self, ctx):
+            self.costs = ctx.costs
+            return super().draft(ctx)
+
+    primary = Costs()
+    hybrid = HybridDrafter(primary, NGramDrafter(max_ngram=2, max_depth=5, branches=1), lookup_nodes=3)
+    costs = [0.0] + [1.0 + n for n in range(1, 12)]
+    hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), [1, 2, 3, 4, 1, 2], "static", 7, costs))
+    assert primary.budgets == [4] and primary.costs == costs[3:]
