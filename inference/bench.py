@@ -356,7 +356,8 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
             raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
         if "ar" not in methods:
             methods.insert(0, "ar")  # the reference for speedup and exact_match
-    need = {"chained": ("--heads", args.heads), "chained+ngram": ("--heads", args.heads), "parallel": ("--heads-parallel", args.heads_parallel),
+    need = {"chained": ("--heads", args.heads), "chained+ngram": ("--heads", args.heads),
+            "parallel": ("--heads-parallel", args.heads_parallel),
             "bigram": ("--bigram-data", args.bigram_data)}
     for m in methods:
         if m in need and not need[m][1]:

@@ -501,7 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree", choices=("auto", "static", "dynamic"), default="auto")
     parser.add_argument("--tree-budget", default="auto", help="draft nodes per step, or 'auto'")
     parser.add_argument("--lookup-nodes", type=int, default=4,
-                        help="draft nodes per step that n-gram prompt lookup may add to the heads' tree (0: heads only)")
+                        help="draft nodes per step n-gram prompt lookup may take from the heads' budget (at most "
+                             "half of it; 0: heads only)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default=None)

@@ -8,9 +8,10 @@ Stages (each prints what it does and how long it took; every stage resumes or re
 3. train     chained heads, then Medusa-1 parallel heads (the baseline), shortened runs of
              recipes/smollm2-135m.yaml on that data;
 4. bench     ar, pld, ngram, bigram, parallel, chained and chained+ngram (the heads with n-gram lookup
-             grafted on, what `SpeculativeGenerator.from_pretrained` does) on held-out prompts: MT-Bench first turns when
-             ../shared/data/mt_bench_question.jsonl exists (or $MEDUSA_BENCH_PROMPTS), else the default
-             pool's held-out split; prints the results table, writes results.json and bench.png.
+             grafted on, what `SpeculativeGenerator.from_pretrained` does) on held-out prompts: MT-Bench
+             first turns when ../shared/data/mt_bench_question.jsonl exists (or $MEDUSA_BENCH_PROMPTS),
+             else the default pool's held-out split; prints the results table, writes results.json and
+             bench.png.
 
 The stage sizes are flags; `--steps-chained 0` skips a stage. Defaults are sized from CPU-time estimates
 for 2 otherwise idle cores (training ran at roughly 45 tokens/s per step of batch 4: about 5 minutes
