@@ -377,13 +377,14 @@ class HybridDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> Tree:
         share = min(self.lookup_nodes, (ctx.budget + 1) // 2)  # at most half: the heads keep the rest
         branches: list[list[int]] = []
+        used = 0
         if share > 0:
             for cont in self.lookup.continuations(ctx.tokens, self.lookup.max_depth):
-                cont = cont[:share - sum(map(len, branches))]
+                cont = cont[:share - used]
                 if not cont:
                     break
                 branches.append(cont)
-        used = sum(map(len, branches))
+                used += len(cont)
         costs = None if ctx.costs is None else ctx.costs[used:]  # the primary's n nodes verify next to `used`
         tree = self.primary.draft(replace(ctx, budget=ctx.budget - used, costs=costs))
         return graft_branches(tree, branches, used, self.share_nodes)

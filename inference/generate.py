@@ -184,7 +184,6 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.device = target.get_output_embeddings().weight.device
-        self._verify_seconds: dict[int, float] | None = None  # tokens -> seconds, measured once
         self._verify_costs: list[float] | None = None  # interpolated per token count
         self._auto_budget: int | None = None
         if self_check:
@@ -199,8 +198,8 @@ class SpeculativeGenerator:
         (HeadsMismatchError). `device` defaults to CUDA when available, `dtype` to bfloat16 on a GPU that
         supports it, else float32; a float32 CPU target runs its linear layers on oneDNN
         (`inference.kernels`). `lookup_nodes` grafts n-gram prompt lookup onto the heads' tree
-        (`HybridDrafter`): up to that many of each step's draft nodes follow an earlier match of the context
-        (0: the heads alone)."""
+        (`HybridDrafter`): up to that many of each step's draft nodes, and at most half of them, follow an
+        earlier match of the context (0: the heads alone)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, load_spec
@@ -414,9 +413,8 @@ class SpeculativeGenerator:
     def verify_seconds(self) -> dict[int, float]:
         """Seconds per target forward of L tokens after a prefix, for a few L (measured once per target and
         shared by every generator on it; measure again with `remeasure_verify_seconds`)."""
-        if self._verify_seconds is None:
-            self._verify_seconds = _VERIFY_SECONDS.get(self.target)
-        if self._verify_seconds is None:
+        times = _VERIFY_SECONDS.get(self.target)
+        if times is None:
             lengths = AUTO_BUDGET_LENGTHS_GPU if self.device.type == "cuda" else AUTO_BUDGET_LENGTHS_CPU
             vocab = self.target.get_output_embeddings().weight.shape[0]
             limit = context_limit(self.target) or 1 << 30
@@ -442,14 +440,14 @@ class SpeculativeGenerator:
             running = 0.0
             for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
                 running = times[n] = max(times[n], running)
-            self._verify_seconds = _VERIFY_SECONDS[self.target] = times
-        return self._verify_seconds
+            _VERIFY_SECONDS[self.target] = times
+        return times
 
     def remeasure_verify_seconds(self) -> None:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
         and the auto budget derived from them; the next `generate` measures again."""
         _VERIFY_SECONDS.pop(self.target, None)
-        self._verify_seconds, self._verify_costs, self._auto_budget = None, None, None
+        self._verify_costs, self._auto_budget = None, None
 
     def verify_costs(self) -> list[float]:
         """costs[n]: seconds of a verify forward over n tokens, n = 0..the longest measured (costs[0] = 0),

@@ -42,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and onednn_linear_available()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+        return _onednn_op()(x, weight, bias, "none", [None], "")
     return F.linear(x, weight, bias)
 
 

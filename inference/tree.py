@@ -158,13 +158,20 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.
     return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores)
 
 
-def _keep_nodes(tree: Tree, keep: torch.Tensor) -> Tree:
-    """The subtree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors)."""
-    new_index = torch.zeros(tree.size, dtype=torch.long, device=keep.device)
-    new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
-    max_depth = int(tree.depth[keep].max()) if keep.shape[0] > 1 else 0
-    return tree_from_parents(tree.tokens[keep], new_index[tree.parents[keep]], tree.depth[keep], max_depth,
-                             None if tree.scores is None else tree.scores[keep])
+def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """[N-1] ranking key of the non-root nodes: the path log-probability with a tiny depth penalty, so a
+    parent ranks strictly above its children even when log q == 0 (the best nodes then form a tree)."""
+    return scores[1:].float() - 1e-4 * depth[1:].float()
+
+
+def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor | None,
+             keep: torch.Tensor, max_depth: int) -> Tree:
+    """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered;
+    max_depth may be an upper bound of the kept nodes' depth."""
+    new_index = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+    new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
+    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth,
+                             None if scores is None else scores[keep].float())
 
 
 def trim_tree(tree: Tree, costs: Sequence[float]) -> Tree:
@@ -178,7 +185,7 @@ def trim_tree(tree: Tree, costs: Sequence[float]) -> Tree:
     if tree.scores is None or n <= 1:
         return tree
     limit = min(n, len(costs) - 1)  # nodes the costs cover
-    key = tree.scores[1:].float() - 1e-4 * tree.depth[1:].float()
+    key = _rank_key(tree.scores, tree.depth)
     order = torch.argsort(key, descending=True, stable=True)[:limit - 1] + 1  # best nodes first
     gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(tree.scores[order].float().exp(), 0)])  # [limit]
     rate = gain / torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device)
@@ -186,7 +193,7 @@ def trim_tree(tree: Tree, costs: Sequence[float]) -> Tree:
     if k == n - 1:
         return tree
     keep = torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values
-    return _keep_nodes(tree, keep)
+    return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth)
 
 
 def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None) -> Tree:
@@ -203,10 +210,8 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
         share = tree.tokens.device.type == "cpu"
     if share:
         tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
-        start = 1
     else:
         tokens, parents, depth = [0], [0], [0]  # the root only; new nodes are offset by the tree's size below
-        start = len(tokens)
     child: dict[tuple[int, int], int] = {}
     for i in range(len(tokens) - 1, 0, -1):  # the first of equal siblings wins (the preferred one)
         child[(parents[i], tokens[i])] = i
@@ -229,10 +234,10 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
     device = tree.tokens.device
     if not share:
         offset = tree.size - 1  # new node k (1-based here) becomes tree.size + k - 1
-        new_parents = [p + offset if p else 0 for p in parents[start:]]
-        return tree_from_parents(torch.cat([tree.tokens, torch.tensor(tokens[start:], device=device)]),
+        new_parents = [p + offset if p else 0 for p in parents[1:]]
+        return tree_from_parents(torch.cat([tree.tokens, torch.tensor(tokens[1:], device=device)]),
                                  torch.cat([tree.parents, torch.tensor(new_parents, device=device)]),
-                                 torch.cat([tree.depth, torch.tensor(depth[start:], device=device)]),
+                                 torch.cat([tree.depth, torch.tensor(depth[1:], device=device)]),
                                  max(tree.max_depth, max(depth)))
     order = sorted(range(len(tokens)), key=lambda i: depth[i])
     where = {old: new for new, old in enumerate(order)}
@@ -315,11 +320,8 @@ def select_dynamic_tree(tokens: torch.Tensor, parents: torch.Tensor, depth: torc
     cumulative draft log-probabilities (never larger than the parent's), so the best nodes form a tree.
     A tiny depth penalty makes a parent rank strictly above its children even when log q == 0.
     """
-    pool = tokens.shape[0]
-    budget = min(budget, pool - 1)
-    key = scores[1:].float() - 1e-4 * depth[1:].float()
+    budget = min(budget, tokens.shape[0] - 1)
+    key = _rank_key(scores, depth)
     picked = torch.topk(key, budget).indices + 1 if budget > 0 else key.new_zeros(0, dtype=torch.long)
     keep = torch.cat([picked.new_zeros(1), torch.sort(picked).values])  # [budget + 1], topological order
-    new_index = torch.zeros(pool, dtype=torch.long, device=tokens.device)
-    new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
-    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth, scores[keep].float())
+    return _subtree(tokens, parents, depth, scores, keep, max_depth)
