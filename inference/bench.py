@@ -321,9 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="the target's dtype for every method (auto: bfloat16 on a GPU that supports it, else float32)")
-    p.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"),
-                   help="float32 CPU targets: run every method's linear layers through oneDNN (faster at every "
-                        "row count; inference/kernels.py) or PyTorch's default MKL path")
+    p.add_argument("--cpu-linear", default="onednn", choices=("onednn", "onednn-unpacked", "default"),
+                   help="float32 CPU targets: run every method's linear layers through oneDNN with pre-packed "
+                        "weights (faster at every row count; inference/kernels.py), oneDNN on the weights as "
+                        "stored, or PyTorch's default MKL path")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="draw tau and speedup per method into this PNG")
     return p
@@ -406,8 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     kernels = ""
-    if args.cpu_linear == "onednn" and use_onednn_linear(target):  # shared by every method, `ar` included
-        kernels = ", float32 linear layers on oneDNN"
+    if args.cpu_linear != "default" and use_onednn_linear(target, pack=args.cpu_linear == "onednn"):
+        # shared by every method, `ar` included
+        kernels = ", float32 linear layers on oneDNN" + (" (packed weights)" if args.cpu_linear == "onednn" else "")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}
     generators: dict[str, SpeculativeGenerator] = {}

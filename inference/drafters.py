@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.kernels import linear, use_onednn_linear
+from inference.kernels import use_onednn_linear
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
                             select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents,
                             trim_tree)
@@ -213,11 +213,14 @@ class HeadsDrafter(TreeDrafter):
         self.needs_history = heads.context is not None
         self._context_cache = None
         self._context: torch.Tensor | None = None
-        # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once
-        # instead of at every call (the same product `heads.logits` computes)
-        self._draft_lm_weight = None
+        # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once into a
+        # layer of their own (the same product `heads.logits` computes), so the fast kernel packs them too
+        self._draft_lm: nn.Linear | None = None
         if heads.spec.draft_vocab_size and heads.lm_heads is None:
-            self._draft_lm_weight = heads.scoring_weight(0, self.lm_head).contiguous()
+            rows = heads.scoring_weight(0, self.lm_head).detach().contiguous()
+            self._draft_lm = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+            self._draft_lm.weight = nn.Parameter(rows, requires_grad=False)
+            use_onednn_linear(self._draft_lm)
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:
@@ -233,9 +236,11 @@ class HeadsDrafter(TreeDrafter):
 
     def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
         """Head k's logits over the scored vocabulary: [M, V_draft]."""
-        if self._draft_lm_weight is not None:
-            return linear(s, self._draft_lm_weight)
-        return linear(s, self.heads.scoring_weight(k, self.lm_head))  # = heads.logits, on the fast kernel
+        if self._draft_lm is not None:
+            return self._draft_lm(s)
+        if self.heads.lm_heads is not None:
+            return self.heads.lm_heads[k](s)
+        return self.lm_head(s)  # = heads.logits, on the target's (fast) kernel
 
     def reset(self) -> None:
         self._context_cache, self._context = None, None

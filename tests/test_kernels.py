@@ -1,7 +1,10 @@
 """The oneDNN linear kernel choice (inference/kernels.py): same numbers as F.linear up to float32 rounding,
-gradients and other dtypes keep F.linear, and greedy speculation stays exact when every method uses it."""
+packed or not, packed weights follow weight changes, gradients and other dtypes keep F.linear, and greedy
+speculation stays exact when every method uses it."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,21 +13,44 @@ from test_inference_greedy import greedy_reference, random_heads
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, NGramDrafter, SpeculativeGenerator
+from inference import kernels
 from inference.kernels import use_onednn_linear, uses_onednn_linear
 
 
-
-def test_swapped_layers_compute_what_f_linear_computes():
+@pytest.mark.parametrize("pack", [True, False])
+def test_swapped_layers_compute_what_f_linear_computes(pack):
     model = tiny_model("llama", seed=1).eval()
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=ids).logits
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
-    assert use_onednn_linear(model) == n_linear > 0 and uses_onednn_linear(model)
-    assert use_onednn_linear(model) == n_linear  # idempotent
+    assert use_onednn_linear(model, pack=pack) == n_linear > 0 and uses_onednn_linear(model)
+    assert use_onednn_linear(model, pack=pack) == n_linear  # idempotent
     with torch.no_grad():
         got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_weights_follow_the_weight():
+    """Every row count, then the weight changed in place, replaced, and the module deep-copied: the packed
+    copy must never serve a stale weight."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(48, 40, bias=True)
+    use_onednn_linear(lin)
+    assert lin in kernels._PACKED
+    with torch.no_grad():
+        for rows in (1, 3, 9, 17):
+            x = torch.randn(rows, 48, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        x = torch.randn(5, 48, generator=g)
+        lin.weight.mul_(-2.0)  # in place (as load_state_dict or a LoRA merge does)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        lin.weight = torch.nn.Parameter(torch.randn(40, 48, generator=g))  # replaced
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        twin = copy.deepcopy(lin)
+        twin.weight.add_(1.0)
+        torch.testing.assert_close(twin(x), F.linear(x, twin.weight, twin.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
 def test_gradients_and_float64_keep_f_linear():
@@ -40,10 +66,11 @@ def test_gradients_and_float64_keep_f_linear():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_speculation_is_exact_with_onednn_kernels(arch):
+@pytest.mark.parametrize("pack", [True, False])
+def test_greedy_speculation_is_exact_with_onednn_kernels(arch, pack):
     """float32 (the kernels only serve float32): the target's own generate and the engine both run on them."""
     model = tiny_model(arch, seed=2).eval()
-    use_onednn_linear(model)
+    use_onednn_linear(model, pack=pack)
     ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
     want = greedy_reference(model, ids, 40, eos_token_id=[])
     for drafter in (HeadsDrafter(random_heads(model, "chained", 3, seed=4, context_layers=1), model),
