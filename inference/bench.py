@@ -162,8 +162,10 @@ def hf_runner(model: nn.Module, pad_token_id: int | None, prompt_lookup_num_toke
     return run
 
 
-def engine_runner(generator, tree: str = "static", tree_budget: str | int = "auto") -> Runner:
-    """Our engine, greedy, with the given tree settings. Forwards come from the engine's own stats."""
+def engine_runner(generator, tree: str = "static", tree_budget: str | int = "auto",
+                  counts: dict[str, int] | None = None) -> Runner:
+    """Our engine, greedy, with the given tree settings. Forwards come from the engine's own stats; `counts`
+    (if given) accumulates its steps and verified tree nodes."""
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> RunResult:
         _sync(generator.device)
@@ -171,7 +173,11 @@ def engine_runner(generator, tree: str = "static", tree_budget: str | int = "aut
         out = generator.generate(input_ids, max_new_tokens=max_new_tokens, temperature=0.0, tree=tree,
                                  tree_budget=tree_budget)
         _sync(generator.device)
-        return RunResult(out.token_ids.tolist(), out.stats.target_forwards, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if counts is not None:
+            counts["steps"] = counts.get("steps", 0) + out.stats.steps
+            counts["nodes"] = counts.get("nodes", 0) + out.stats.verified_nodes
+        return RunResult(out.token_ids.tolist(), out.stats.target_forwards, seconds)
 
     return run
 
@@ -413,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runners: dict[str, Runner] = {}
     generators: dict[str, SpeculativeGenerator] = {}
+    counts: dict[str, dict[str, int]] = {}
     for m in methods:
         if m == "ar":
             runners[m] = hf_runner(target, pad)
@@ -429,12 +436,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 drafter = HeadsDrafter.from_pretrained(args.heads if m == "chained" else args.heads_parallel, target)
             generators[m] = SpeculativeGenerator(target, tokenizer, drafter)
-            runners[m] = engine_runner(generators[m], args.tree, budget)
+            counts[m] = {}
+            runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
     prompts = [render(tokenizer, t) for t in texts]
     summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log)
     if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
         log("[bench] auto tree budget (draft nodes per step): "
             + ", ".join(f"{m} {g.auto_tree_budget()}" for m, g in generators.items()))
+    for m, g in generators.items():
+        c = counts[m]
+        log(f"[bench] {m}: {c.get('nodes', 0) / max(c.get('steps', 0), 1):.2f} tree nodes verified per step "
+            f"(root included); acceptance rate given the parent was accepted (rate/tries): {g.calibrator.summary()}")
     result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "methods": summary}
     print(f"\n{result['machine']}\ntarget {result['target']}, {len(prompts)} prompts ({args.prompts}), greedy, "

@@ -32,8 +32,7 @@ from torch import nn
 
 from inference.kernels import use_onednn_linear
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
-                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents,
-                            trim_tree)
+                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
 
@@ -46,8 +45,7 @@ class DraftContext:
     hidden: [d] the target's final hidden state h_t at the last committed position (root's predecessor).
     tokens: the whole sequence on the host, prompt + generated, root included.
     tree: "static" | "dynamic" | explicit rank paths. budget: max draft nodes (root excluded).
-    costs: None, or costs[n] = seconds of a verify forward over n tokens (n = 0..budget + 1 at least):
-    drafters that score their candidates then drop nodes not worth their verify rows (`tree.trim_tree`).
+    (Which of the drafted nodes are worth their verify rows is the generator's call: `inference.calibrate`.)
     """
 
     root: torch.Tensor
@@ -55,7 +53,6 @@ class DraftContext:
     tokens: list[int]
     tree: TreeSpec
     budget: int
-    costs: Sequence[float] | None = None
 
 
 class Drafter:
@@ -131,10 +128,8 @@ class TreeDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> Tree:
         _validate_tree(ctx.tree)
         if ctx.tree == "dynamic":
-            tree = self.draft_dynamic(ctx)
-        else:
-            tree = self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
-        return tree if ctx.costs is None else trim_tree(tree, ctx.costs)
+            return self.draft_dynamic(ctx)
+        return self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
 
     def draft_static(self, topo: TreeTopology, ctx: DraftContext) -> Tree:
         """Fill a fixed shape: node (r_1..r_d) takes the r_d-th candidate proposed after its parent."""
@@ -316,8 +311,9 @@ class NGramDrafter(Drafter):
     def topk_accuracy(self) -> list[list[float]]:
         return [[0.5 * 0.9**k, 0.1 * 0.9**k] for k in range(self.max_depth)]  # a rough prior for the budget
 
-    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
-        """Distinct continuations of the most recent matches of the context's last n-gram."""
+    def matches(self, tokens: list[int], depth: int) -> tuple[list[list[int]], int]:
+        """Distinct continuations of the most recent matches of the context's last n-gram (longest n first),
+        and that n (0: no match)."""
         ctx = tokens[-self.max_context:]
         found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
@@ -328,15 +324,19 @@ class NGramDrafter(Drafter):
                     if cont and cont not in found:
                         found.append(cont)
                         if len(found) >= self.branches:
-                            return found
+                            return found, n
             if found:
-                return found
-        return found
+                return found, n
+        return found, 0
+
+    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+        return self.matches(tokens, depth)[0]
 
     def draft(self, ctx: DraftContext) -> Tree:
         root = tree_from_parents(ctx.root[:1], torch.zeros(1, dtype=torch.long, device=ctx.root.device),
                                  torch.zeros(1, dtype=torch.long, device=ctx.root.device), 0)
-        return graft_branches(root, self.continuations(ctx.tokens, self.max_depth), ctx.budget)
+        conts, n = self.matches(ctx.tokens, self.max_depth)
+        return graft_branches(root, conts, ctx.budget, match_lengths=[n] * len(conts))
 
 
 class HybridDrafter(Drafter):
@@ -382,17 +382,17 @@ class HybridDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> Tree:
         share = min(self.lookup_nodes, (ctx.budget + 1) // 2)  # at most half: the heads keep the rest
         branches: list[list[int]] = []
-        used = 0
+        used, n = 0, 0
         if share > 0:
-            for cont in self.lookup.continuations(ctx.tokens, self.lookup.max_depth):
+            conts, n = self.lookup.matches(ctx.tokens, self.lookup.max_depth)
+            for cont in conts:
                 cont = cont[:share - used]
                 if not cont:
                     break
                 branches.append(cont)
                 used += len(cont)
-        costs = None if ctx.costs is None else ctx.costs[used:]  # the primary's n nodes verify next to `used`
-        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used, costs=costs))
-        return graft_branches(tree, branches, used, self.share_nodes)
+        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used))
+        return graft_branches(tree, branches, used, self.share_nodes, [n] * len(branches))
 
 
 # ---------------------------------------------------------------------------------------------------

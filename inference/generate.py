@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from inference.calibrate import AcceptanceCalibrator
 from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafter, TreeSpec
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache, crop_cache, new_cache
@@ -52,13 +53,14 @@ class ContextLengthError(ValueError):
 class GenerationStats:
     """new_tokens: emitted tokens; steps: verify forwards; target_forwards: steps + the prefill;
     tau: new tokens per target forward (plain decoding: 1.0); accept_lengths: tokens appended per step
-    (accepted drafts + the bonus token)."""
+    (accepted drafts + the bonus token); verified_nodes: tree nodes verified over all steps (roots included)."""
 
     new_tokens: int = 0
     steps: int = 0
     target_forwards: int = 0
     tau: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
+    verified_nodes: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
     tree: str = ""
@@ -186,6 +188,9 @@ class SpeculativeGenerator:
         self.device = target.get_output_embeddings().weight.device
         self._verify_costs: list[float] | None = None  # interpolated per token count
         self._auto_budget: int | None = None
+        # how often each kind of drafted node is accepted, learned from every verify of this generator (kept
+        # across `generate` calls); it decides which nodes of a CPU step are worth their verify rows
+        self.calibrator = AcceptanceCalibrator(max_depth=max(1, drafter.max_depth))
         if self_check:
             check_tree_attention(target)
 
@@ -299,14 +304,22 @@ class SpeculativeGenerator:
         return accept_lossless(tree, p, sampling.generator)
 
     def speculative_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling,
-                         costs: Sequence[float] | None = None) -> list[int]:
+                         costs: Sequence[float] | None = None, stats: GenerationStats | None = None) -> list[int]:
         """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus).
-        `costs` (verify seconds per token count) lets the drafter drop nodes not worth their rows."""
-        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget, costs))
+        `costs` (verify seconds per token count) drops the drafted nodes not worth their rows, by their
+        calibrated probability of acceptance (`self.calibrator`, which learns from this step's verify)."""
+        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget))
+        keys = None
+        if costs is not None:
+            draft, keys = self.calibrator.trim(draft, costs)
+        if stats is not None:
+            stats.verified_nodes += draft.size
         prefix_len = cache_length(state.cache)
         logits, h = verify_tree(self.target, state.cache, draft)  # [N, V], [N, d]
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
+        if keys is not None:
+            self.calibrator.update(draft, keys, acc.path, n)
         compact_cache(state.cache, prefix_len, acc.path[:n])
         state.root, state.hidden = acc.bonus.view(1), h[acc.best]
         if self.drafter.needs_history:  # the accepted nodes, each followed by the next one (the last: bonus)
@@ -326,8 +339,8 @@ class SpeculativeGenerator:
         top_p) distribution; `"typical"` is Medusa's typical acceptance: more tokens per step, but lossy. `tree`: "auto"
         (= "static"), "static" (shape from static tree search), "dynamic" (EAGLE-2 style), or a list of
         rank paths; `tree_budget`: draft nodes per step (root excluded) or "auto" (tuned on this machine; on a
-        CPU each step then also drops the drafts whose probability is not worth their verify rows,
-        `tree.trim_tree`, so a step with no likely draft verifies its root alone).
+        CPU each step then also drops the drafts whose calibrated probability of acceptance is not worth
+        their verify rows, `inference.calibrate`, so a step with no likely draft verifies its root alone).
         `streamer` follows the transformers protocol (`put` the prompt, then new tokens; `end`).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -384,7 +397,7 @@ class SpeculativeGenerator:
                 stats.target_forwards = 1
                 done = emit(state.tokens[-1:])
                 while not done:
-                    new = self.speculative_step(state, tree, budget, sampling, costs)
+                    new = self.speculative_step(state, tree, budget, sampling, costs, stats)
                     stats.steps += 1
                     stats.accept_lengths.append(len(new))
                     done = emit(new)

@@ -37,7 +37,9 @@ class Tree:
     ancestors: [N, N] bool, ancestors[i, j] = node j is node i or one of its ancestors.
     max_depth: host int, the deepest node's depth.
     scores: [N] float or None, the drafter's cumulative log-probability of each node's path (root 0), where
-    the drafter scores its candidates.
+    the drafter scores its candidates; NaN for nodes another source added (n-gram lookup grafted on).
+    lookup: [N] long or None, for nodes an n-gram lookup proposed the length of the n-gram it matched (0 for
+    the others); `inference.calibrate` learns how often each kind of node is accepted.
     """
 
     tokens: torch.Tensor
@@ -46,6 +48,7 @@ class Tree:
     ancestors: torch.Tensor
     max_depth: int
     scores: torch.Tensor | None = None
+    lookup: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -153,9 +156,9 @@ def topology_from_paths(paths: Sequence[Sequence[int]], device: torch.device | s
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, max_depth: int,
-                      scores: torch.Tensor | None = None) -> Tree:
+                      scores: torch.Tensor | None = None, lookup: torch.Tensor | None = None) -> Tree:
     """A tree from explicit per-node arrays (nodes must be in topological order)."""
-    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores)
+    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores, lookup)
 
 
 def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -165,38 +168,53 @@ def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 
 def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor | None,
-             keep: torch.Tensor, max_depth: int) -> Tree:
+             keep: torch.Tensor, max_depth: int, lookup: torch.Tensor | None = None) -> Tree:
     """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered;
     max_depth may be an upper bound of the kept nodes' depth."""
     new_index = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
     new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
     return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth,
-                             None if scores is None else scores[keep].float())
+                             None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep])
 
 
-def trim_tree(tree: Tree, costs: Sequence[float]) -> Tree:
-    """Keep the root and the k most probable nodes, k maximising expected tokens per second of verify:
-    (1 + sum of their path probabilities exp(score)) / costs[k + 1], where costs[n] is the verify time of n
-    tokens. Where a verify of a few tokens costs much more than one (a CPU), a step whose drafts are all
-    unlikely verifies the root alone; where the cost is flat (a GPU) every node stays. A node's path
-    probability never exceeds its parent's (and a tiny depth penalty breaks ties), so the kept nodes form
-    a tree. Reads k on the host: meant for CPUs. Returns `tree` itself when every node stays."""
-    n = tree.size
-    if tree.scores is None or n <= 1:
-        return tree
+def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float]) -> torch.Tensor | None:
+    """The nodes worth their verify rows: the root and the k most probable nodes, k maximising expected
+    tokens per second of verify, (1 + sum of their path probabilities) / costs[k + 1], where path_logp [N]
+    is each node's log-probability of being accepted (root 0; never above its parent's) and costs[n] the
+    verify time of n tokens. Returns the kept indices ([k + 1] ascending) or None when every node stays.
+    Reads k on the host: meant for CPUs."""
+    n = path_logp.shape[0]
+    if n <= 1:
+        return None
     limit = min(n, len(costs) - 1)  # nodes the costs cover
-    key = _rank_key(tree.scores, tree.depth)
+    key = _rank_key(path_logp, depth)
     order = torch.argsort(key, descending=True, stable=True)[:limit - 1] + 1  # best nodes first
-    gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(tree.scores[order].float().exp(), 0)])  # [limit]
+    gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(path_logp[order].float().exp(), 0)])  # [limit]
     rate = gain / torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device)
     k = int(torch.argmax(rate))  # first maximum: the smaller tree on ties
     if k == n - 1:
-        return tree
-    keep = torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values
-    return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth)
+        return None
+    return torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values
 
 
-def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None) -> Tree:
+def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
+    """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered."""
+    return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup)
+
+
+def trim_tree(tree: Tree, costs: Sequence[float], path_logp: torch.Tensor | None = None) -> Tree:
+    """`tree` cut to the nodes worth their verify rows (`trim_keep`), ranked by `path_logp` or else by the
+    drafter's own path probabilities (`tree.scores`). Where a verify of a few tokens costs much more than
+    one (a CPU), a step whose drafts are all unlikely verifies the root alone; where the cost is flat (a
+    GPU) every node stays. A node's path probability never exceeds its parent's (and a tiny depth penalty
+    breaks ties), so the kept nodes form a tree. Returns `tree` itself when every node stays."""
+    path_logp = tree.scores if path_logp is None else path_logp
+    keep = None if path_logp is None else trim_keep(path_logp, tree.depth, costs)
+    return tree if keep is None else subtree(tree, keep)
+
+
+def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None,
+                   match_lengths: Sequence[int] | None = None) -> Tree:
     """`tree` with token chains (host ints) hung under its root, at most `max_new` new nodes in all.
 
     share=True: each branch walks down from the root through the tree's children holding its tokens and adds
@@ -205,18 +223,23 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
     (sharing prefixes only among themselves), with no host read, so a GPU step keeps its single sync; a
     branch that repeats tree nodes costs verify rows that are nearly free there, and verification handles
     the repeated siblings. None: share on a CPU only. Either way parents precede children.
+    match_lengths ([len(branches)], default 1 each): the n-gram length behind each branch, recorded in the
+    result's `lookup` for every node on the branch (new or shared); new nodes get a NaN score.
     """
     if share is None:
         share = tree.tokens.device.type == "cpu"
+    if match_lengths is None:
+        match_lengths = [1] * len(branches)
     if share:
         tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+        marks = [0] * len(tokens) if tree.lookup is None else tree.lookup.tolist()
     else:
-        tokens, parents, depth = [0], [0], [0]  # the root only; new nodes are offset by the tree's size below
+        tokens, parents, depth, marks = [0], [0], [0], [0]  # the root only; new nodes are offset below
     child: dict[tuple[int, int], int] = {}
     for i in range(len(tokens) - 1, 0, -1):  # the first of equal siblings wins (the preferred one)
         child[(parents[i], tokens[i])] = i
     added = 0
-    for branch in branches:
+    for branch, m in zip(branches, match_lengths):
         node = 0
         for tok in branch:
             nxt = child.get((node, int(tok)))
@@ -227,23 +250,33 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
                 tokens.append(int(tok))
                 parents.append(node)
                 depth.append(depth[node] + 1)
+                marks.append(0)
                 added += 1
             node = nxt
+            marks[node] = max(marks[node], int(m))
     if not added:
         return tree
     device = tree.tokens.device
+    n_old = tree.size if share else 1
+    if tree.scores is not None:
+        scores = torch.cat([tree.scores.float(), torch.full((len(tokens) - n_old,), float("nan"), device=device)])
     if not share:
         offset = tree.size - 1  # new node k (1-based here) becomes tree.size + k - 1
         new_parents = [p + offset if p else 0 for p in parents[1:]]
+        old_marks = tree.lookup if tree.lookup is not None else torch.zeros_like(tree.tokens)
         return tree_from_parents(torch.cat([tree.tokens, torch.tensor(tokens[1:], device=device)]),
                                  torch.cat([tree.parents, torch.tensor(new_parents, device=device)]),
                                  torch.cat([tree.depth, torch.tensor(depth[1:], device=device)]),
-                                 max(tree.max_depth, max(depth)))
+                                 max(tree.max_depth, max(depth)), None if tree.scores is None else scores,
+                                 torch.cat([old_marks, torch.tensor(marks[1:], device=device)]))
     order = sorted(range(len(tokens)), key=lambda i: depth[i])
     where = {old: new for new, old in enumerate(order)}
+    index = torch.tensor(order, device=device)
     return tree_from_parents(torch.tensor([tokens[i] for i in order], device=device),
                              torch.tensor([where[parents[i]] for i in order], device=device),
-                             torch.tensor([depth[i] for i in order], device=device), max(depth))
+                             torch.tensor([depth[i] for i in order], device=device), max(depth),
+                             None if tree.scores is None else scores[index],
+                             torch.tensor([marks[i] for i in order], device=device))
 
 
 # ---------------------------------------------------------------------------------------------------

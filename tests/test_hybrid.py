@@ -112,8 +112,8 @@ class PlantedLookup(NGramDrafter):
         super().__init__(max_depth=depth, branches=1)
         self.truth = truth
 
-    def continuations(self, tokens, depth):
-        return [self.truth[len(tokens):len(tokens) + depth]]
+    def matches(self, tokens, depth):
+        return [self.truth[len(tokens):len(tokens) + depth]], 3
 
 
 def test_hybrid_accepts_what_the_lookup_grafted():
@@ -221,26 +221,13 @@ def test_auto_budget_on_a_cpu_trims_and_stays_exact():
             gen.verify_costs = lambda: [0.0, 1.0] + [1.5 + 0.01 * n for n in range(2, 33)]
             gen._auto_budget = 8
             sizes = []
-            draft = gen.drafter.draft
-            gen.drafter.draft = lambda ctx: _record(draft(ctx), sizes)
+            trim = gen.calibrator.trim
+            gen.calibrator.trim = lambda tree, costs: _record(trim(tree, costs), sizes)
             out = gen.generate(input_ids, max_new_tokens=25, eos_token_id=[])
             assert out.token_ids.tolist() == want.tolist(), (arch, hybrid)
             assert min(sizes) < 9, (arch, hybrid)  # some steps were trimmed below budget + 1
 
 
-def _record(tree, sizes):
-    sizes.append(tree.size)
-    return tree
-
-
-def test_hybrid_hands_the_primary_the_costs_after_its_share():
-    class Costs(RecordingDrafter):
-        def draft(self, ctx):
-            self.costs = ctx.costs
-            return super().draft(ctx)
-
-    primary = Costs()
-    hybrid = HybridDrafter(primary, NGramDrafter(max_ngram=2, max_depth=5, branches=1), lookup_nodes=3)
-    costs = [0.0] + [1.0 + n for n in range(1, 12)]
-    hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), [1, 2, 3, 4, 1, 2], "static", 7, costs))
-    assert primary.budgets == [4] and primary.costs == costs[3:]
+def _record(trimmed, sizes):
+    sizes.append(trimmed[0].size)
+    return trimmed

@@ -1,0 +1,149 @@
+"""How likely each drafted node is to be accepted, learned online from verification, for cost-aware trees.
+
+On a CPU a verify over n tokens costs more than over one (SmolLM2-135M on 2 cores: 8 tokens 1.3x one token,
+16 tokens 1.5x), so each step keeps only the drafted nodes worth their rows (`tree.trim_keep`: the k most
+likely nodes, k maximising expected tokens per second of verify). That needs, per node, the probability of
+being accepted, and the drafters' own numbers are not it: trained heads are over-confident (on SmolLM2,
+nodes the heads gave 0.9-1.0 were right 72% of the time, nodes under 0.1 3%), n-gram lookup gives no
+number at all, and a node both propose is likelier than either says.
+
+So the generator keeps a reliability table filled by every verify: p(node accepted | its parent accepted),
+counted per (kind, depth, bin), where the kind and bin are
+- scored (the drafter's conditional probability q of the node given its parent): bin of q, B equal bins;
+- lookup (an n-gram lookup proposed it, the drafter did not): the matched n-gram's length;
+- both (the drafter scored it and the lookup proposed it too): bin of q;
+- unscored (a drafter that gives no probabilities): one bin per depth.
+A node's path probability is the product of its ancestors' calibrated conditional probabilities (all <= 1,
+so a child never outranks its parent and the kept nodes form a tree). Each cell's estimate starts from a
+prior: at depth 1 a fixed guess, deeper the estimate one depth up times the guess's fade with depth, so
+what depth 1 learned reaches depths that were never tried (otherwise a depth whose fixed guess is not
+worth a row would never be verified, and never learned). Counts decay with a memory of a few hundred
+steps towards that prior, so the table follows the prompts at hand and a cell that was trimmed away for a
+while is tried again. Only which nodes are verified depends on it, never which token is emitted: the
+output stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference.tree import Tree, subtree, trim_keep
+
+KINDS = ("scored", "lookup", "both", "unscored")
+SCORED, LOOKUP, BOTH, UNSCORED = range(len(KINDS))
+
+
+class AcceptanceCalibrator:
+    """Online p(node accepted | parent accepted) per (kind, depth, bin); see the module docstring.
+
+    max_depth: depths beyond it share its row. bins: B bins of the drafter's conditional probability (and
+    n-gram lengths 1..B). prior_weight: pseudo-trials of the prior in every cell. memory: counts decay by
+    1 - 1/memory per step.
+    """
+
+    def __init__(self, max_depth: int = 8, bins: int = 10, prior_weight: float = 2.0, memory: float = 256.0):
+        if max_depth < 1 or bins < 1 or prior_weight <= 0 or memory < 1:
+            raise ValueError(f"need max_depth >= 1, bins >= 1, prior_weight > 0, memory >= 1; got {max_depth}, "
+                             f"{bins}, {prior_weight}, {memory}")
+        self.max_depth, self.bins = max_depth, bins
+        self.prior_weight, self.decay = prior_weight, 1.0 - 1.0 / memory
+        size = len(KINDS) * max_depth * bins
+        self.hits = torch.zeros(size, dtype=torch.float64)
+        self.trials = torch.zeros(size, dtype=torch.float64)
+        self.prior = self._prior()  # [KINDS, D, B]
+        self.fade = torch.ones_like(self.prior)  # prior(depth d) / prior(depth d - 1)
+        self.fade[:, 1:] = self.prior[:, 1:] / self.prior[:, :-1]
+
+    def _prior(self) -> torch.Tensor:
+        """Before any verify: heads' q discounted to 0.7 q (their measured over-confidence), lookup 0.35-0.6 by
+        n-gram length, both combined as independent evidence, all fading with depth."""
+        b, d = self.bins, self.max_depth
+        q = (torch.arange(b, dtype=torch.float64) + 0.5) / b  # bin centres
+        fade = 0.85 ** torch.arange(d, dtype=torch.float64)[:, None]  # [D, 1]
+        scored = (0.7 * q).expand(d, b)
+        lookup = torch.tensor([0.35, 0.5] + [0.6] * max(b - 2, 0), dtype=torch.float64)[:b] * fade
+        both = 1 - (1 - scored) * (1 - 0.35 * fade)
+        unscored = (0.3 * fade).expand(d, b)
+        return torch.stack([scored, lookup, both, unscored]).clamp(1e-3, 1 - 1e-3)
+
+    def keys(self, tree: Tree) -> torch.Tensor:
+        """[N] long: the table cell of every node (the root's is never used)."""
+        depth = tree.depth.clamp(1, self.max_depth) - 1
+        lookup = tree.lookup if tree.lookup is not None else torch.zeros_like(tree.tokens)
+        if tree.scores is not None:
+            s = tree.scores.float()
+            logq = s - s[tree.parents]  # the node's conditional log-probability given its parent
+            scored = ~torch.isnan(logq)
+            q_bin = (torch.nan_to_num(logq, nan=0.0).exp() * self.bins).long().clamp(0, self.bins - 1)
+        else:
+            scored = torch.zeros_like(tree.tokens, dtype=torch.bool)
+            q_bin = torch.zeros_like(tree.tokens)
+        proposed = lookup > 0
+        kind = torch.where(scored, torch.where(proposed, BOTH, SCORED), torch.where(proposed, LOOKUP, UNSCORED))
+        cell = torch.where(kind == LOOKUP, lookup.clamp(1, self.bins) - 1, torch.where(kind == UNSCORED, 0, q_bin))
+        return ((kind * self.max_depth + depth) * self.bins + cell).cpu()
+
+    def estimates(self) -> torch.Tensor:
+        """[KINDS * D * B] calibrated p(accepted | parent accepted) of every cell: counts plus prior_weight
+        pseudo-trials at the prior (the fixed guess at depth 1, the estimate one depth up, faded, deeper)."""
+        w = self.prior_weight
+        hits = self.hits.view_as(self.prior)
+        trials = self.trials.view_as(self.prior)
+        p = torch.empty_like(self.prior)
+        for d in range(self.max_depth):
+            prior = self.prior[:, 0] if d == 0 else (p[:, d - 1] * self.fade[:, d]).clamp(1e-3, 1 - 1e-3)
+            p[:, d] = (hits[:, d] + w * prior) / (trials[:, d] + w)
+        return p.flatten()
+
+    def probabilities(self, keys: torch.Tensor) -> torch.Tensor:
+        """Calibrated p(accepted | parent accepted) of the given cells."""
+        return self.estimates()[keys]
+
+    def trim(self, tree: Tree, costs: Sequence[float]) -> tuple[Tree, torch.Tensor]:
+        """`tree` cut to the nodes worth their verify rows by calibrated path probability, and the kept nodes'
+        cells (pass both to `update` after the verify). Reads the tree on the host: meant for CPUs."""
+        keys = self.keys(tree)
+        logc = self.probabilities(keys).log()
+        logc[0] = 0.0  # the root is decided
+        path_logp = tree.ancestors.cpu().to(logc.dtype) @ logc  # [N] log of the product along each path
+        keep = trim_keep(path_logp, tree.depth.cpu(), costs)
+        if keep is None:
+            return tree, keys
+        return subtree(tree, keep.to(tree.tokens.device)), keys[keep]
+
+    def update(self, tree: Tree, keys: torch.Tensor, path: torch.Tensor, n: int) -> None:
+        """Count one verify: every node whose parent was accepted was tried; path[1:n] were accepted."""
+        path = path.cpu()
+        accepted = torch.zeros(tree.size, dtype=torch.bool)
+        accepted[path[:n]] = True
+        tried = accepted[tree.parents.cpu()]
+        tried[0] = False
+        self.hits.mul_(self.decay)
+        self.trials.mul_(self.decay)
+        self.trials.index_add_(0, keys[tried], torch.ones(int(tried.sum()), dtype=torch.float64))
+        self.hits.index_add_(0, keys[path[1:n]], torch.ones(n - 1, dtype=torch.float64))
+
+    def table(self, min_trials: float = 1.0) -> list[dict[str, float | int | str]]:
+        """The cells tried at least `min_trials` (decayed) times: kind, depth, bin, trials, calibrated p."""
+        p = self.estimates()
+        rows = []
+        for key in torch.nonzero(self.trials >= min_trials).flatten().tolist():
+            kind, rest = divmod(key, self.max_depth * self.bins)
+            depth, cell = divmod(rest, self.bins)
+            rows.append({"kind": KINDS[kind], "depth": depth + 1, "bin": cell, "trials": float(self.trials[key]),
+                         "hits": float(self.hits[key]), "p": float(p[key])})
+        return rows
+
+    def summary(self) -> str:
+        """One line: acceptance rate (hits / trials, decayed counts) per kind and depth that was tried."""
+        hits = self.hits.view_as(self.prior).sum(-1)
+        trials = self.trials.view_as(self.prior).sum(-1)
+        parts = []
+        for k, kind in enumerate(KINDS):
+            rates = [f"d{d + 1} {hits[k, d] / trials[k, d]:.2f}/{trials[k, d]:.0f}" for d in range(self.max_depth)
+                     if trials[k, d] >= 1]
+            if rates:
+                parts.append(f"{kind}: " + " ".join(rates))
+        return "; ".join(parts) or "nothing verified yet"
