@@ -45,7 +45,9 @@ class DraftContext:
     hidden: [d] the target's final hidden state h_t at the last committed position (root's predecessor).
     tokens: the whole sequence on the host, prompt + generated, root included.
     tree: "static" | "dynamic" | explicit rank paths. budget: max draft nodes (root excluded).
-    (Which of the drafted nodes are worth their verify rows is the generator's call: `inference.calibrate`.)
+    trimmed: the generator will cut the tree to the nodes worth their verify rows by their calibrated
+    probability of acceptance (`inference.calibrate`; a CPU with the auto budget), so a drafter that combines
+    sources may propose more than `budget` nodes and let that choose.
     """
 
     root: torch.Tensor
@@ -53,6 +55,7 @@ class DraftContext:
     tokens: list[int]
     tree: TreeSpec
     budget: int
+    trimmed: bool = False
 
 
 class Drafter:
@@ -348,7 +351,9 @@ class HybridDrafter(Drafter):
     of it (rounded up; on SmolLM2 a budget of 4 split 2-3 for the lookup beat 4 and 1), the primary drafter
     drafts with the rest, and the continuations are hung under the root sharing the nodes the primary tree
     already has (a continuation the heads also proposed costs nothing extra). With no match the primary
-    drafter gets the whole budget. The tree shape, tree prior and context history are the primary's.
+    drafter gets the whole budget. When the generator trims the tree (`DraftContext.trimmed`), the primary
+    drafts its whole budget and the lookup adds up to `lookup_nodes` on top: the calibrated trim then keeps
+    whichever nodes are likeliest, so a reliable match displaces unlikely heads' nodes and vice versa. The tree shape, tree prior and context history are the primary's.
     `share_nodes` (None: on a CPU only) merges the continuation into the primary tree's own nodes, which
     reads the tree on the host; on a GPU it is appended as is, keeping the step at one host sync.
     """
@@ -380,7 +385,8 @@ class HybridDrafter(Drafter):
         self.primary.observe(hidden, next_tokens)
 
     def draft(self, ctx: DraftContext) -> Tree:
-        share = min(self.lookup_nodes, (ctx.budget + 1) // 2)  # at most half: the heads keep the rest
+        # at most half, unless the generator trims: the heads keep the rest
+        share = self.lookup_nodes if ctx.trimmed else min(self.lookup_nodes, (ctx.budget + 1) // 2)
         branches: list[list[int]] = []
         used, n = 0, 0
         if share > 0:
@@ -391,7 +397,7 @@ class HybridDrafter(Drafter):
                     break
                 branches.append(cont)
                 used += len(cont)
-        tree = self.primary.draft(replace(ctx, budget=ctx.budget - used))
+        tree = self.primary.draft(ctx if ctx.trimmed else replace(ctx, budget=ctx.budget - used))
         return graft_branches(tree, branches, used, self.share_nodes, [n] * len(branches))
 
 

@@ -308,7 +308,8 @@ class SpeculativeGenerator:
         """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus).
         `costs` (verify seconds per token count) drops the drafted nodes not worth their rows, by their
         calibrated probability of acceptance (`self.calibrator`, which learns from this step's verify)."""
-        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget))
+        draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
+                                                trimmed=costs is not None))
         keys = None
         if costs is not None:
             draft, keys = self.calibrator.trim(draft, costs)

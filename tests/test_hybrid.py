@@ -101,6 +101,10 @@ def test_hybrid_splits_the_budget_between_lookup_and_primary():
     tree = hybrid.draft(DraftContext(torch.tensor([99]), torch.zeros(4), [99, 99, 99, 99], "static", budget=6))
     assert _paths(tree) == {(99,) * d for d in range(1, primary.budgets[-1] + 1)}
     assert hybrid.max_depth == 6
+    # the generator trims (calibrated, CPU): the primary drafts its whole budget, the lookup adds its share on top
+    tree = hybrid.draft(DraftContext(torch.tensor([2]), torch.zeros(4), tokens, "static", budget=3, trimmed=True))
+    assert primary.budgets[-1] == 3 and tree.size == 1 + 3 + 4
+    assert tree.lookup.tolist().count(2) == 4  # the lookup's nodes carry the 2-gram they matched
     with pytest.raises(ValueError, match="lookup_nodes"):
         HybridDrafter(primary, lookup_nodes=-1)
 
