@@ -113,6 +113,7 @@ def test_generation_learns_to_trust_the_lookup_over_overconfident_heads():
     gen.calibrator.trim = lambda tree, costs: _record(trim(tree, costs), verified)
     out = gen.generate(input_ids, max_new_tokens=60, eos_token_id=[])
     assert out.token_ids.tolist() == want.tolist()
+    assert out.stats.verified_nodes == sum(len(v) for v in verified)  # stats count the rows actually verified
     table = gen.calibrator.table()
     assert all(r["p"] > 0.8 for r in table if r["kind"] == "lookup" and r["depth"] == 1)
     assert all(r["p"] < 0.4 for r in table if r["kind"] == "scored")  # the prior gave the sure ones 0.67
