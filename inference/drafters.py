@@ -353,7 +353,8 @@ class HybridDrafter(Drafter):
     already has (a continuation the heads also proposed costs nothing extra). With no match the primary
     drafter gets the whole budget. When the generator trims the tree (`DraftContext.trimmed`), the primary
     drafts its whole budget and the lookup adds up to `lookup_nodes` on top: the calibrated trim then keeps
-    whichever nodes are likeliest, so a reliable match displaces unlikely heads' nodes and vice versa. The tree shape, tree prior and context history are the primary's.
+    whichever nodes are likeliest, so a reliable match displaces unlikely heads' nodes and vice versa. The
+    tree shape, tree prior and context history are the primary's.
     `share_nodes` (None: on a CPU only) merges the continuation into the primary tree's own nodes, which
     reads the tree on the host; on a GPU it is appended as is, keeping the step at one host sync.
     """
