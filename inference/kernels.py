@@ -113,3 +113,60 @@ def use_onednn_linear(model: nn.Module, pack: bool = True) -> int:
 def uses_onednn_linear(model: nn.Module) -> bool:
     return any(getattr(m.forward, "__func__", None) in (_onednn_forward, _packed_forward) for m in model.modules()
                if isinstance(m, nn.Linear))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention of a tree verify on a CPU
+#
+# transformers' `sdpa` attention repeats a grouped-query model's keys and values to every query head
+# (`repeat_kv`: a copy of the whole KV cache, per layer, per forward) whenever a mask is passed and more than
+# one query row attends, which is every tree verify: its mask is a custom 4D one. On CUDA that keeps the fast
+# kernels (they take no mask with grouped heads); on a CPU PyTorch's own kernel reads grouped heads in place
+# (`enable_gqa=True`), so the copy is pure overhead: on SmolLM2-135M (9 query / 3 KV heads, 2 cores) it was
+# 4-5 ms of a 45-55 ms verify of 2-9 tokens, growing with the prefix. Same kernel, same float32 math: the
+# logits came out bitwise equal.
+
+TREE_SDPA = "medusa_tree_sdpa"
+
+
+def _tree_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               is_causal: bool | None = None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or attention_mask is None or query.device.type != "cpu"
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or module.training):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_tree_sdpa() -> bool:
+    try:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(TREE_SDPA, _tree_sdpa)
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+class tree_attention:
+    """`with tree_attention(model):` runs the model's forwards with grouped-query attention read in place on
+    a CPU (see above). A no-op unless the model uses transformers' `sdpa` attention; restores it on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.config = getattr(model, "config", None)
+        self.active = (self.config is not None and getattr(self.config, "_attn_implementation", None) == "sdpa"
+                       and _register_tree_sdpa())
+
+    def __enter__(self) -> None:
+        if self.active:
+            self.config._attn_implementation = TREE_SDPA
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self.config._attn_implementation = "sdpa"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inference.kernels import tree_attention
 from inference.kv import cache_length
 from inference.tree import Tree, tree_attention_mask, tree_position_ids
 
@@ -46,7 +47,8 @@ def verify_tree(model: nn.Module, cache, tree: Tree) -> tuple[torch.Tensor, torc
     dtype = model.get_output_embeddings().weight.dtype
     mask = tree_attention_mask(tree.ancestors, prefix_len, dtype)  # [1, 1, N, prefix_len + N]
     position_ids = tree_position_ids(tree.depth, prefix_len)  # [1, N]
-    h = target_forward(model, tree.tokens[None], cache, mask, position_ids)[0]  # [N, d]
+    with tree_attention(model):  # grouped-query heads read in place on a CPU, not copied per layer
+        h = target_forward(model, tree.tokens[None], cache, mask, position_ids)[0]  # [N, d]
     return model.get_output_embeddings()(h), h
 
 

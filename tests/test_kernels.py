@@ -1,6 +1,7 @@
-"""The oneDNN linear kernel choice (inference/kernels.py): same numbers as F.linear up to float32 rounding,
-packed or not, packed weights follow weight changes, gradients and other dtypes keep F.linear, and greedy
-speculation stays exact when every method uses it."""
+"""The CPU kernel choices (inference/kernels.py). oneDNN linears: same numbers as F.linear up to float32
+rounding, packed or not, packed weights follow weight changes, gradients and other dtypes keep F.linear, and
+greedy speculation stays exact when every method uses it. Tree attention: grouped-query heads read in place
+give the logits of transformers' own sdpa path, and the model's attention setting is restored."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, NGramDrafter, SpeculativeGenerator
 from inference import kernels
-from inference.kernels import use_onednn_linear, uses_onednn_linear
+from inference.kernels import TREE_SDPA, tree_attention, use_onednn_linear, uses_onednn_linear
+from inference.kv import cache_length, crop_cache, new_cache
+from inference.tree import tree_attention_mask, tree_from_parents, tree_position_ids
+from inference.verify import target_forward, verify_tree
 
 
 @pytest.mark.parametrize("pack", [True, False])
@@ -79,3 +83,43 @@ def test_greedy_speculation_is_exact_with_onednn_kernels(arch, pack):
         for tree in ("static", "dynamic"):
             out = gen.generate(ids, max_new_tokens=40, tree=tree, tree_budget=6, eos_token_id=[])
             assert out.token_ids.tolist() == want.tolist(), (arch, type(drafter).__name__, tree)
+
+
+def test_tree_attention_reads_grouped_heads_in_place_with_the_same_logits(monkeypatch):
+    """A tree verify (4D mask, several query rows, 4 query / 2 KV heads) under `tree_attention` calls PyTorch's
+    kernel with enable_gqa instead of transformers' repeat_kv copy, and gets the same logits; the model's
+    attention setting is back to sdpa afterwards, also when the forward raises."""
+    model = tiny_model("llama", seed=5).eval()
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < 4
+    tokens = torch.tensor([7, 8, 9, 10, 11])
+    tree = tree_from_parents(tokens, torch.tensor([0, 0, 0, 1, 3]), torch.tensor([0, 1, 1, 2, 3]), 3)
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa", False))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        cache = new_cache()
+        target_forward(model, torch.arange(20, 40)[None], cache)
+        got, _ = verify_tree(model, cache, tree)
+        assert calls[-2:] == [True, True] and model.config._attn_implementation == "sdpa"
+        crop_cache(cache, 20)
+        calls.clear()  # the same forward outside `tree_attention`: transformers' own sdpa path
+        mask = tree_attention_mask(tree.ancestors, 20, torch.float32)
+        h = target_forward(model, tree.tokens[None], cache, mask, tree_position_ids(tree.depth, 20))[0]
+        want = model.get_output_embeddings()(h)
+        assert calls == [False, False] and cache_length(cache) == 25
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
+        verify_tree(model, new_cache(), tree)
+    assert model.config._attn_implementation == "sdpa" != TREE_SDPA
+    eager = tiny_model("llama", seed=5, attn_implementation="eager")
+    assert not tree_attention(eager).active
