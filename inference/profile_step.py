@@ -1,26 +1,37 @@
-"""Where a speculative step's time goes: drafting, the verify forward, acceptance, cache compaction.
+"""Where a speculative step's time goes: drafting, trimming, the verify forward, acceptance, the calibrator's
+update, cache compaction, and the drafter's history (`observe`).
 
-Builds a random Llama shaped like SmolLM2-135M (hidden 576, 30 layers, vocab 49152) in-process, random
-chained heads, and times each phase of `speculative_step` over many steps (synchronising the device
-between phases so each phase is charged its own kernels), plus whole steps without the extra syncs.
-On a CPU the float32 linear layers run on oneDNN, as in the benchmark (`--cpu-linear default`: MKL).
+Two modes:
+- random (default): a random Llama shaped like SmolLM2-135M (hidden 576, 30 layers, vocab 49152) built
+  in-process, random heads, one synthetic prompt, up to `--steps` new tokens;
+- real (`--target DIR --heads DIR`): a model and trained heads loaded as the benchmark loads them (float32
+  linear layers on oneDNN on a CPU), greedy generation on `--prompts` (default: the held-out split of the
+  offline default pool, never trained on), stopping at EOS or `--max-new-tokens` as `generate` does.
 
-    python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40] \
+Each phase of `SpeculativeGenerator.speculative_step` is timed on a copy of its body (synchronising the device
+between phases so each phase is charged its own kernels); whole steps are then timed on the real method,
+without the extra syncs. `--budget auto` uses the generator's auto budget and, on a CPU, its calibrated trim.
+
+    python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40] \\
         [--context-layers 1] [--lookup-nodes 4]
+    python -m inference.profile_step --target $(python -m medusa_train.prepare) --heads runs/x --budget auto
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import torch
 
 from inference.drafters import DraftContext, HeadsDrafter, HybridDrafter
-from inference.generate import Sampling, SpeculativeGenerator
+from inference.generate import DecodeState, Sampling, SpeculativeGenerator
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache
 from inference.verify import verify_tree
+
+PHASES = ("draft", "trim", "verify", "accept", "update", "compact", "observe")
 
 
 def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
@@ -33,14 +44,106 @@ def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
-def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: int = 40, num_heads: int = 4,
+def _timed_step(gen: SpeculativeGenerator, state: DecodeState, tree, budget: int, sampling: Sampling,
+                costs, totals: dict[str, float], sync) -> list[int]:
+    """`speculative_step`, phase by phase (keep in step with it)."""
+    marks = [time.perf_counter()]
+
+    def mark():
+        sync()
+        marks.append(time.perf_counter())
+
+    draft = gen.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
+                                           trimmed=costs is not None))
+    mark()
+    keys = None
+    if costs is not None:
+        draft, keys = gen.calibrator.trim(draft, costs)
+    mark()
+    prefix_len = cache_length(state.cache)
+    logits, h = verify_tree(gen.target, state.cache, draft)
+    mark()
+    acc = gen.accept(draft, logits, sampling)
+    n, new = acc.to_host(draft)
+    mark()
+    if keys is not None:
+        gen.calibrator.update(draft, keys, acc.path, n)
+    mark()
+    compact_cache(state.cache, prefix_len, acc.path[:n])
+    state.root, state.hidden = acc.bonus.view(1), h[acc.best]
+    mark()
+    if gen.drafter.needs_history:
+        gen.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
+    state.tokens.extend(new)
+    mark()
+    for name, t0, t1 in zip(PHASES, marks, marks[1:]):
+        totals[name] += t1 - t0
+    totals["rows"] += draft.size
+    return new
+
+
+def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor], tree="static",
+                      budget: int | str = "auto", max_new_tokens: int = 128, eos: set[int] | None = None,
+                      temperature: float = 0.0) -> dict[str, float]:
+    """Mean milliseconds per step of each phase and of whole steps, rows verified per step, tau (new tokens
+    per target forward) and the budget used, over greedy (or sampled) generation on `prompts`."""
+    device = gen.device
+    eos = set() if eos is None else eos
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def sampling():
+        return Sampling(temperature=temperature,
+                        generator=torch.Generator(device=device).manual_seed(0) if temperature else None)
+
+    costs = None
+    if budget == "auto":
+        budget = gen.auto_tree_budget()
+        costs = gen.verify_costs() if device.type == "cpu" and isinstance(tree, str) else None
+
+    def run(ids: torch.Tensor, step) -> tuple[int, int, float]:
+        """(steps, new tokens, seconds of the steps) for one prompt."""
+        gen.drafter.reset()
+        samp = sampling()
+        with torch.inference_mode():
+            state = gen.prefill(ids.to(device), samp)
+            out, steps = 1, 0
+            sync()
+            t0 = time.perf_counter()
+            while out < max_new_tokens and state.tokens[-1] not in eos:
+                new = step(state, samp)
+                steps, out = steps + 1, out + len(new)
+            sync()
+        return steps, out, time.perf_counter() - t0
+
+    run(prompts[0], lambda s, samp: gen.speculative_step(s, tree, budget, samp, costs))  # warm-up
+    totals = dict.fromkeys(PHASES + ("rows",), 0.0)
+    timed_steps = 0
+    for ids in prompts:
+        timed_steps += run(ids, lambda s, samp: _timed_step(gen, s, tree, budget, samp, costs, totals, sync))[0]
+    steps, tokens, seconds = 0, 0, 0.0
+    for ids in prompts:
+        n, out, dt = run(ids, lambda s, samp: gen.speculative_step(s, tree, budget, samp, costs))
+        steps, tokens, seconds = steps + n, tokens + out, seconds + dt
+    result = {name: 1e3 * totals[name] / max(timed_steps, 1) for name in PHASES}
+    result["step"] = 1e3 * seconds / max(steps, 1)
+    result["rows"] = totals["rows"] / max(timed_steps, 1)
+    result["tau"] = tokens / max(steps + len(prompts), 1)  # the prefill decides the first token
+    result["budget"] = budget
+    result["engine_share_of_verify"] = sum(result[p] for p in PHASES if p != "verify") / max(result["verify"], 1e-9)
+    return result
+
+
+def profile(device: str = "cpu", budget: int | str = 8, tree: str = "static", steps: int = 40, num_heads: int = 4,
             prompt_len: int = 128, temperature: float = 0.0, kind: str = "chained",
             draft_vocab: int = 0, dtype: torch.dtype | None = None, context_layers: int = 0,
             lookup_nodes: int = 0, onednn: bool = True) -> dict[str, float]:
-    """Mean milliseconds per step of each phase, and of whole steps. draft_vocab > 0 gives the heads a
-    reduced scored vocabulary (the first draft_vocab ids, standing in for the most frequent tokens);
-    context_layers > 0 gives them a context encoder (its `observe` is timed as a phase); lookup_nodes > 0
-    grafts n-gram lookup onto their tree (`HybridDrafter`)."""
+    """The random mode: a SmolLM2-shaped random model and random heads, `steps` steps after one synthetic
+    prompt. draft_vocab > 0 gives the heads a reduced scored vocabulary (the first draft_vocab ids, standing in
+    for the most frequent tokens); context_layers > 0 gives them a context encoder; lookup_nodes > 0 grafts
+    n-gram lookup onto their tree (`HybridDrafter`)."""
     from medusa_train.heads import DraftHeads
 
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -52,83 +155,69 @@ def profile(device: str = "cpu", budget: int = 8, tree: str = "static", steps: i
     drafter = HeadsDrafter(heads, model)
     gen = SpeculativeGenerator(model, None, HybridDrafter(drafter, lookup_nodes=lookup_nodes) if lookup_nodes
                                else drafter)
-    sampling = Sampling(temperature=temperature,
-                        generator=torch.Generator(device=device).manual_seed(0) if temperature else None)
     ids = (torch.arange(prompt_len, device=device) * 37 + 11)[None] % 49152
+    return profile_generator(gen, [ids], tree, budget, max_new_tokens=steps, temperature=temperature)
 
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
 
-    phases = dict(draft=0.0, verify=0.0, accept=0.0, compact=0.0, observe=0.0)
-    with torch.inference_mode():
-        state = gen.prefill(ids, sampling)
-        for _ in range(3):  # warm up
-            gen.speculative_step(state, tree, budget, sampling)
-        for _ in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            draft = gen.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget))
-            sync()
-            t1 = time.perf_counter()
-            prefix_len = cache_length(state.cache)
-            logits, h = verify_tree(model, state.cache, draft)
-            sync()
-            t2 = time.perf_counter()
-            acc = gen.accept(draft, logits, sampling)
-            n, new = acc.to_host(draft)
-            t3 = time.perf_counter()
-            compact_cache(state.cache, prefix_len, acc.path[:n])
-            state.root, state.hidden = acc.bonus.view(1), h[acc.best]
-            sync()
-            t4 = time.perf_counter()
-            if gen.drafter.needs_history:
-                gen.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
-            state.tokens.extend(new)
-            sync()
-            t5 = time.perf_counter()
-            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                phases[name] += dt
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            gen.speculative_step(state, tree, budget, sampling)
-        sync()
-        whole = time.perf_counter() - t0
-    out = {name: 1e3 * total / steps for name, total in phases.items()}
-    out["step"] = 1e3 * whole / steps
-    out["engine_share_of_verify"] = (out["draft"] + out["accept"] + out["compact"] + out["observe"]) / out["verify"]
-    return out
+def profile_trained(target: str, heads: str, prompts: str = "default", limit: int = 8, budget: int | str = "auto",
+                    tree: str = "static", max_new_tokens: int = 128, lookup_nodes: int = 4,
+                    device: str | None = None, temperature: float = 0.0) -> dict[str, float]:
+    """The real mode: `target` and trained `heads` loaded as the benchmark loads them, the first `limit`
+    prompts of `prompts` (a benchmark prompt file, or `default`) rendered with the chat template."""
+    from inference.bench import load_bench_prompts, render
+
+    gen = SpeculativeGenerator.from_pretrained(heads, target=target, device=device, lookup_nodes=lookup_nodes)
+    ids = [render(gen.tokenizer, text) for text in load_bench_prompts(prompts, limit)]
+    return profile_generator(gen, ids, tree, budget, max_new_tokens, gen.eos_ids(None), temperature)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--budget", type=int, nargs="+", default=[8])
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--budget", nargs="+", default=["8"], help="draft nodes per step, or `auto`")
     parser.add_argument("--tree", nargs="+", default=["static"])
-    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument("--kind", default="chained", choices=("chained", "parallel"))
-    parser.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
-    parser.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
-    parser.add_argument("--lookup-nodes", type=int, default=0, help="graft n-gram lookup onto the heads' tree")
-    parser.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))
+    parser.add_argument("--lookup-nodes", type=int, default=None,
+                        help="graft n-gram lookup onto the heads' tree (default: 0 random, 4 real, as generate)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+                        help="random mode: model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    random = parser.add_argument_group("random mode")
+    random.add_argument("--steps", type=int, default=40)
+    random.add_argument("--kind", default="chained", choices=("chained", "parallel"))
+    random.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
+    random.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
+    random.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))
+    real = parser.add_argument_group("real mode")
+    real.add_argument("--target", default=None, help="a model directory or name (with --heads)")
+    real.add_argument("--heads", default=None, help="a trained heads directory")
+    real.add_argument("--prompts", default="default", help="benchmark prompts (JSONL) or `default`")
+    real.add_argument("--limit", type=int, default=8, help="profile the first N prompts")
+    real.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
+    if (args.target is None) != (args.heads is None):
+        parser.error("--target and --heads go together (the real mode); give both or neither")
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     for tree in args.tree:
-        for budget in args.budget:
-            r = profile(args.device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
-                        draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                        context_layers=args.context_layers, lookup_nodes=args.lookup_nodes,
-                        onednn=args.cpu_linear == "onednn")
-            print(f"{args.device} {args.dtype or 'default dtype'} {args.kind} draft_vocab={args.draft_vocab or 'full'} tree={tree} budget={budget} "
-                  f"T={args.temperature}: "
-                  + " ".join(f"{k}={v:.2f}ms" for k, v in r.items() if k != "engine_share_of_verify")
-                  + f" engine/verify={100 * r['engine_share_of_verify']:.1f}%", flush=True)
+        for b in args.budget:
+            budget = b if b == "auto" else int(b)
+            if args.heads:
+                r = profile_trained(args.target, args.heads, args.prompts, args.limit, budget, tree,
+                                    args.max_new_tokens, 4 if args.lookup_nodes is None else args.lookup_nodes,
+                                    device, args.temperature)
+                what = f"{args.heads} lookup_nodes={4 if args.lookup_nodes is None else args.lookup_nodes}"
+            else:
+                r = profile(device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
+                            draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            context_layers=args.context_layers, lookup_nodes=args.lookup_nodes or 0,
+                            onednn=args.cpu_linear == "onednn")
+                what = f"random {args.dtype or 'default dtype'} {args.kind} draft_vocab={args.draft_vocab or 'full'}"
+            print(f"{device} {what} tree={tree} budget={b} ({r['budget']}) T={args.temperature}: "
+                  + " ".join(f"{k}={r[k]:.2f}ms" for k in PHASES + ("step",))
+                  + f" rows={r['rows']:.2f} tau={r['tau']:.2f} engine/verify={100 * r['engine_share_of_verify']:.1f}%",
+                  flush=True)
 
 
 if __name__ == "__main__":
