@@ -156,12 +156,13 @@ def _register_tree_sdpa() -> bool:
 
 class tree_attention:
     """`with tree_attention(model):` runs the model's forwards with grouped-query attention read in place on
-    a CPU (see above). A no-op unless the model uses transformers' `sdpa` attention; restores it on exit."""
+    a CPU (see above). A no-op unless the model uses transformers' `sdpa` attention and has one config (setting
+    a composite config's attention would overwrite its sub-configs' own choices); restores it on exit."""
 
     def __init__(self, model: nn.Module):
         self.config = getattr(model, "config", None)
         self.active = (self.config is not None and getattr(self.config, "_attn_implementation", None) == "sdpa"
-                       and _register_tree_sdpa())
+                       and not getattr(self.config, "sub_configs", None) and _register_tree_sdpa())
 
     def __enter__(self) -> None:
         if self.active:
