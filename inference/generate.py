@@ -355,15 +355,7 @@ class SpeculativeGenerator:
         tree = "static" if tree == "auto" else tree
         if isinstance(tree, str) and tree not in ("static", "dynamic"):
             raise ValueError(f"tree must be 'auto', 'static', 'dynamic' or a list of rank paths, got {tree!r}")
-        costs = None
-        if tree_budget == "auto":
-            budget = self.auto_tree_budget()
-            if self.device.type == "cpu" and isinstance(tree, str):  # trimming reads k on the host: CPU only
-                costs = self.verify_costs()
-        elif isinstance(tree_budget, int) and tree_budget >= 0:
-            budget = tree_budget
-        else:
-            raise ValueError(f"tree_budget must be 'auto' or an int >= 0 (draft nodes per step), got {tree_budget!r}")
+        budget, costs = self.step_budget(tree, tree_budget)
         input_ids = self.encode(prompt, chat)
         self.check_context(input_ids.shape[1], max_new_tokens)
         eos = self.eos_ids(eos_token_id)
@@ -413,6 +405,17 @@ class SpeculativeGenerator:
         return GenerationOutput(text, torch.tensor(out, dtype=torch.long), stats)
 
     # -- limits and tuning ----------------------------------------------------------------------------
+
+    def step_budget(self, tree: TreeSpec, tree_budget: Literal["auto"] | int) -> tuple[int, list[float] | None]:
+        """(draft nodes per step, verify costs for the calibrated trim or None) for a `tree_budget`: "auto"
+        is the tuned budget, trimmed per step on a CPU; an int is used as is and never trimmed."""
+        if tree_budget == "auto":
+            # trimming reads k on the host: CPU only
+            costs = self.verify_costs() if self.device.type == "cpu" and isinstance(tree, str) else None
+            return self.auto_tree_budget(), costs
+        if isinstance(tree_budget, int) and tree_budget >= 0:
+            return tree_budget, None
+        raise ValueError(f"tree_budget must be 'auto' or an int >= 0 (draft nodes per step), got {tree_budget!r}")
 
     def check_context(self, prompt_len: int, max_new_tokens: int) -> None:
         """Error before generating when prompt + new tokens + tree depth exceed the target's context."""

@@ -30,6 +30,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
 @functools.cache
@@ -132,8 +133,6 @@ TREE_SDPA = "medusa_tree_sdpa"
 def _tree_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                is_causal: bool | None = None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     if (groups == 1 or attention_mask is None or query.device.type != "cpu"
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or module.training):

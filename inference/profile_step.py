@@ -98,10 +98,7 @@ def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor]
         return Sampling(temperature=temperature,
                         generator=torch.Generator(device=device).manual_seed(0) if temperature else None)
 
-    costs = None
-    if budget == "auto":
-        budget = gen.auto_tree_budget()
-        costs = gen.verify_costs() if device.type == "cpu" and isinstance(tree, str) else None
+    budget, costs = gen.step_budget(tree, budget)
 
     def run(ids: torch.Tensor, step) -> tuple[int, int, float]:
         """(steps, new tokens, seconds of the steps) for one prompt."""
@@ -204,10 +201,10 @@ def main() -> None:
         for b in args.budget:
             budget = b if b == "auto" else int(b)
             if args.heads:
+                lookup_nodes = 4 if args.lookup_nodes is None else args.lookup_nodes
                 r = profile_trained(args.target, args.heads, args.prompts, args.limit, budget, tree,
-                                    args.max_new_tokens, 4 if args.lookup_nodes is None else args.lookup_nodes,
-                                    device, args.temperature)
-                what = f"{args.heads} lookup_nodes={4 if args.lookup_nodes is None else args.lookup_nodes}"
+                                    args.max_new_tokens, lookup_nodes, device, args.temperature)
+                what = f"{args.heads} lookup_nodes={lookup_nodes}"
             else:
                 r = profile(device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
                             draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None,
