@@ -26,7 +26,7 @@ from torch import nn
 
 from .config import LossConfig
 from .heads import DraftHeads
-from .losses import STATS, chunked_head_losses, head_logits, head_targets, shift_left, summarize, teacher_logits
+from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize, teacher_logits
 from .target import target_hidden
 
 MAX_RANK = 10
@@ -45,7 +45,7 @@ def conditional_rank_hits(heads: DraftHeads, states: torch.Tensor, h: torch.Tens
     h_next = shift_left(h, 1, 0.0)
     h_next = torch.cat([h_next, h_next.new_zeros(B, K, h.shape[-1])], dim=1)
     out = torch.zeros(B, K, max_rank + 1, device=states.device)
-    step = max(1, chunk_size // B)
+    step = chunk_positions(chunk_size, B, heads.spec.vocab_size, states.device)
     for a in range(0, T, step):
         b = min(a + step, T)
         c = b - a

@@ -105,21 +105,27 @@ def target_fingerprint(target: nn.Module) -> dict[str, Any]:
     }
 
 
-def check_fingerprint(expected: dict[str, Any], target: nn.Module, target_name: str = "") -> None:
-    """Raise HeadsMismatchError naming the first property in which `target` differs from `expected`."""
-    got = target_fingerprint(target)
-    where = f" (heads were trained for {target_name})" if target_name else ""
+def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any]) -> str | None:
+    """None when `got` is the same target as `expected` (signatures within FINGERPRINT_ATOL, so copies in
+    another dtype match); else what differs, as the tail of a sentence."""
     for key in ("hidden_size", "vocab_size"):
-        if key in expected and expected[key] != got[key]:
-            raise HeadsMismatchError(f"heads do not fit this target: {key} is {got[key]}, heads expect "
-                                     f"{expected[key]}{where}")
+        if key in expected and expected[key] != got.get(key):
+            return f"{key} is {got.get(key)}, expected {expected[key]}"
     for key in ("embed_signature", "lm_head_signature"):
         if key in expected:
             diff = max(abs(a - b) for a, b in zip(expected[key], got[key]))
             if diff > FINGERPRINT_ATOL:
                 what = "embedding" if key == "embed_signature" else "LM head"
-                raise HeadsMismatchError(f"heads do not fit this target: its {what} weights differ from the "
-                                         f"target the heads were trained on{where} (signature off by {diff:.3g})")
+                return f"its {what} weights differ (signature off by {diff:.3g})"
+    return None
+
+
+def check_fingerprint(expected: dict[str, Any], target: nn.Module, target_name: str = "") -> None:
+    """Raise HeadsMismatchError naming the first property in which `target` differs from `expected`."""
+    diff = fingerprint_difference(expected, target_fingerprint(target))
+    if diff is not None:
+        where = f" (heads were trained for {target_name})" if target_name else ""
+        raise HeadsMismatchError(f"heads do not fit this target: {diff}{where}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader
 from .config import Config, ConfigError
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
-from .heads import DraftHeads, atomic_write, target_fingerprint
-from .losses import STATS, HeadsObjective, summarize
+from .heads import DraftHeads, atomic_write, fingerprint_difference, target_fingerprint
+from .losses import STATS, HeadsObjective, greedy_tokens, summarize
 from .target import load_model, load_tokenizer, target_hidden
 
 CHECKPOINTS = "checkpoints"
@@ -155,6 +155,7 @@ class HiddenCache:
     def __init__(self, directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
                  rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.rows: dict[bytes, torch.Tensor] = {}
+        self.greedy_rows: dict[bytes, torch.Tensor] = {}  # in memory only: cheap to recompute from rows
         self.new: list[bytes] = []
         self.dir = Path(directory) if directory else None
         self.rank = rank
@@ -170,9 +171,10 @@ class HiddenCache:
         meta = self.dir / self.META
         if meta.is_file():
             saved = json.loads(meta.read_text())
-            if saved.get("target_fingerprint") != json.loads(json.dumps(fingerprint)):
+            diff = fingerprint_difference(saved.get("target_fingerprint", {}), fingerprint)
+            if diff is not None:
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
-                                  "(its fingerprint differs): point it at a new directory, or delete this one")
+                                  f"({diff}): point it at a new directory, or delete this one")
             saved_dtype = saved.get("dtype", "float32")  # caches written before the key existed were float32
             if saved_dtype != dtype:
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved_dtype} "
@@ -203,6 +205,23 @@ class HiddenCache:
                 if self.dir is not None:  # only rows to be written by the next flush
                     self.new.append(k)
         return h
+
+    def greedy(self, lm_head: torch.nn.Module, batch: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token at every position [B, T] (0 past each row's end), from h as `hidden`
+        returned it. Kept per row in memory, so a row pays the full-vocab LM head once per run, not once per
+        epoch: with it the loss scores a draft vocabulary's columns only (`chunked_head_losses`)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        lengths = mask.sum(1).tolist()
+        keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
+        missing = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
+        if missing:
+            fresh = greedy_tokens(lm_head, h[missing])
+            for i, b in enumerate(missing):
+                self.greedy_rows[keys[b]] = fresh[i, :lengths[b]].to("cpu", copy=True)
+        out = torch.zeros(ids.shape, dtype=torch.long)
+        for b, k in enumerate(keys):
+            out[b, :lengths[b]] = self.greedy_rows[k]
+        return out.to(ids.device, non_blocking=True)
 
     def flush(self) -> None:
         """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
@@ -374,7 +393,8 @@ def train(cfg: Config) -> TrainResult:
                     h = cache.hidden(forward_target, batch) if cache is not None else \
                         target_hidden(forward_target, ids, mask)
                     h = h.to(embed.weight.dtype)  # a no-op unless target.forward_dtype differs
-                    loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head)
+                    greedy = cache.greedy(lm_head, batch, h) if cache is not None else None
+                    loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head, greedy)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(objective.parameters(),

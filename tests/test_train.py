@@ -277,7 +277,7 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     from tiny import tiny_model
 
     from medusa_train.config import LossConfig
-    from medusa_train.losses import HeadsObjective
+    from medusa_train.losses import HeadsObjective, greedy_tokens
     from medusa_train.target import target_hidden
 
     torch.manual_seed(0)
@@ -297,14 +297,33 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     ref = naive_loss(heads, target, ids, labels, mask, cfg)
     ref_grads = torch.autograd.grad(ref, list(heads.parameters()))
     h = target_hidden(target, ids, mask)
-    for chunk in (1, 4, 1000):
+    ref_stats = None
+    # with the target's greedy tokens given (the trainer's hidden cache keeps them), a draft vocabulary's
+    # teacher scores only its own columns: same loss, gradients and statistics
+    for chunk, greedy in ((1, None), (4, None), (1000, None), (4, greedy_tokens(target.get_output_embeddings(), h))):
         cfg.chunk_size = chunk
         loss, stats = HeadsObjective(heads, cfg)(h, ids, labels, mask, target.get_input_embeddings(),
-                                                  target.get_output_embeddings())
+                                                  target.get_output_embeddings(), greedy)
         grads = torch.autograd.grad(loss, list(heads.parameters()))
         assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
         assert all(torch.allclose(g, r, atol=1e-7, rtol=1e-4) for g, r in zip(grads, ref_grads))
         assert stats[:, 0].tolist() == [11, 10, 8]  # supervised positions per head
+        ref_stats = stats if ref_stats is None else ref_stats
+        assert torch.allclose(stats, ref_stats, rtol=1e-4, atol=1e-6)
+
+
+def test_cpu_chunks_stay_under_the_mmap_threshold():
+    """On a CPU a chunk's [rows, vocab] fp32 tensors stay under CPU_CHUNK_BYTES (larger ones are fresh mmaps
+    that page-fault on every use); on other devices the configured chunk size holds."""
+    from medusa_train.losses import CPU_CHUNK_BYTES, chunk_positions
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for vocab in (260, 8192, 49152, 152064):
+        rows = 4 * chunk_positions(1024, 4, vocab, cpu)
+        assert rows * vocab * 4 <= CPU_CHUNK_BYTES and rows >= 4
+    assert chunk_positions(1024, 4, 260, cpu) == 256  # small vocabularies keep the configured size
+    assert chunk_positions(1024, 4, 152064, cuda) == 256
+    assert chunk_positions(1024, 4096, 152064, cpu) == 1  # never less than one position
 
 
 def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
@@ -383,3 +402,7 @@ def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(w
 
     with pytest.raises(ConfigError, match="forward_dtype=bfloat16"):
         train(config(ws, "bf16fwd-2", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
+    # the same target loaded in bf16 is the same target: it trains from those rows without a forward
+    seen.clear()
+    train(config(ws, "bf16-all", "train.max_steps=4", "target.dtype=bfloat16", f"train.hidden_cache_dir={cache_dir}"))
+    assert seen == []
