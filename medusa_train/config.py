@@ -71,6 +71,11 @@ class HeadsConfig:
     """If > 0, an EAGLE-style context encoder: this many small causal transformer layers over every
     committed position's (h_j, embed(x_{j+1})) give c_t, and the heads start from s_0 = h_t + c_t instead
     of h_t alone (at inference the drafter keeps its own KV cache). 0: heads read h_t only."""
+    init_from: str = ""
+    """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
+    heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
+    (an error names any that differ); they must have been trained for this target. Not a resume: the
+    optimizer, schedule and data order start afresh (resume continues a run)."""
 
 
 @dataclass
@@ -392,6 +397,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(1 <= h.layers_per_head <= 8, f"heads.layers_per_head must be between 1 and 8, got {h.layers_per_head}")
     need(0 <= h.context_layers <= 8, f"heads.context_layers must be between 0 and 8, got {h.context_layers}")
     need(h.draft_vocab_size >= 0, f"heads.draft_vocab_size must be >= 0 (0: full vocab), got {h.draft_vocab_size}")
+    if h.init_from:
+        need((Path(h.init_from) / "config.json").is_file() and (Path(h.init_from) / "model.safetensors").is_file(),
+             f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")
 
     d = cfg.data
     need(bool(d.dataset), "data.dataset is required: a hub name, a local file, a directory or a glob")

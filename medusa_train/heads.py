@@ -486,6 +486,10 @@ def load_spec(directory: str | os.PathLike) -> HeadsSpec:
     if raw.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{directory} was written by a newer medusa-train (format {raw['format_version']})")
     names = set(HeadsSpec.__dataclass_fields__)
+    missing = [k for k in ("kind", "num_heads", "hidden_size", "vocab_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{Path(directory) / CONFIG_NAME} is not a draft heads config (no {', '.join(missing)}): "
+                         "is this a model directory? Name the directory train.py wrote the heads to")
     return HeadsSpec(**{k: v for k, v in raw.items() if k in names})
 
 

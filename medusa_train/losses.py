@@ -96,8 +96,10 @@ def teacher_logits(lm_head: nn.Module, h: torch.Tensor, rows: torch.Tensor | Non
 
 def greedy_tokens(lm_head: nn.Module, h: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """The target's greedy token at every position of h [..., T, d] -> [..., T], chunked over positions."""
-    flat = h.reshape(-1, h.shape[-1])
-    out = [teacher_logits(lm_head, flat[a:a + chunk_size]).argmax(-1) for a in range(0, flat.shape[0], chunk_size)]
+    flat = h.reshape(-1, h.shape[-1]).to(lm_head.weight.dtype)
+    rows = chunk_positions(chunk_size, 1, lm_head.weight.shape[0], flat.device)
+    with torch.no_grad():  # argmax in the logits' own dtype: a cast to fp32 would not change it
+        out = [lm_head(flat[a:a + rows]).argmax(-1) for a in range(0, flat.shape[0], rows)]
     return torch.cat(out).view(h.shape[:-1])
 
 

@@ -278,6 +278,8 @@ def _setup_tracking(accelerator, cfg: Config) -> None:
 
 def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     h = cfg.heads
+    if h.init_from:
+        return _warm_start_heads(cfg, target)
     draft_ids = None
     if h.draft_vocab_size:
         vocab = target.get_output_embeddings().weight.shape[0]
@@ -287,6 +289,23 @@ def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
                                   context_layers=h.context_layers)
+    return heads.to(target.device)
+
+
+def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
+    """heads.init_from: trained heads, checked against this target and against the recipe's heads.* keys."""
+    h = cfg.heads
+    try:
+        heads = DraftHeads.from_pretrained(h.init_from, target)
+    except ValueError as e:  # HeadsMismatchError (another target) or not a heads directory
+        raise ConfigError(f"heads.init_from={h.init_from}: {e}") from None
+    spec = heads.spec
+    differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
+              for key in ("kind", "num_heads", "layers_per_head", "block", "own_embed", "own_lm_head",
+                          "draft_vocab_size", "context_layers") if getattr(h, key) != getattr(spec, key)]
+    if differ:
+        raise ConfigError(f"heads.init_from={h.init_from} does not match the recipe: " + "; ".join(differ)
+                          + ". Set those keys to the heads' values (their config.json), or drop heads.init_from")
     return heads.to(target.device)
 
 
@@ -468,8 +487,10 @@ def train(cfg: Config) -> TrainResult:
     with full_params(accelerator, objective):
         metrics, acceptance = evaluate(unwrapped, target, batches, cfg.loss, cfg.eval.max_batches, accelerator)
         if accelerator.is_main_process:
-            unwrapped.save_pretrained(out, extra={"training": {"steps": position["step"],
-                                                               "tokens": position["tokens"], "recipe": RECIPE_NAME}})
+            training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
+            if cfg.heads.init_from:
+                training["init_from"] = str(cfg.heads.init_from)
+            unwrapped.save_pretrained(out, extra={"training": training})
     prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
     _log(accelerator, cfg, position["step"], {f"{prefix}/{k}": v for k, v in metrics.items()})
     if accelerator.is_main_process:

@@ -406,3 +406,27 @@ def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(w
     seen.clear()
     train(config(ws, "bf16-all", "train.max_steps=4", "target.dtype=bfloat16", f"train.hidden_cache_dir={cache_dir}"))
     assert seen == []
+
+
+def test_init_from_starts_from_trained_heads(ws, run20):
+    """heads.init_from: training starts from those heads (same weights, same draft vocabulary) and records
+    where it started; a recipe whose heads.* keys differ from the heads, or a path that is not a heads
+    directory, is refused with the key named."""
+    from medusa_train.config import ConfigError
+
+    cfg, _ = run20
+    src = Path(cfg.output_dir)
+    fresh_first = [r for r in read_jsonl(src / "metrics.jsonl") if "train/loss" in r][0]["train/loss"]
+    warm = train(config(ws, "warm", "train.max_steps=5", "train.lr=1.0e-9", f"heads.init_from={src}"))
+    assert warm.step == 5 and max_diff(src, ws / "warm") < 1e-5  # a vanishing lr: still the heads it started from
+    first = [r for r in read_jsonl(ws / "warm" / "metrics.jsonl") if "train/loss" in r][0]["train/loss"]
+    assert first < fresh_first  # it starts where run20 ended, not from scratch
+    spec = json.loads((ws / "warm" / "config.json").read_text())
+    assert spec["training"]["init_from"] == str(src)
+
+    with pytest.raises(ConfigError, match="heads.kind='parallel' but those heads have 'chained'"):
+        train(config(ws, "warm-bad", "train.max_steps=1", "heads.kind=parallel", f"heads.init_from={src}"))
+    with pytest.raises(ConfigError, match="heads.init_from=.* is not a heads directory"):
+        config(ws, "warm-bad2", "train.max_steps=1", f"heads.init_from={ws / 'no-such-heads'}")
+    with pytest.raises(ConfigError, match="not a draft heads config.*model directory"):  # the target's own dir
+        train(config(ws, "warm-bad3", "train.max_steps=1", f"heads.init_from={ws / 'model'}"))
