@@ -192,16 +192,23 @@ class HiddenCache:
         ids, mask = batch["input_ids"], batch["attention_mask"]
         lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
         keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
-        if all(k in self.rows for k in keys):
-            cached = [self.rows[k] for k in keys]
-            h = torch.zeros(ids.shape[0], ids.shape[1], cached[0].shape[-1], dtype=cached[0].dtype)
-            for b, row in enumerate(cached):
-                h[b, :row.shape[0]] = row
-            return h.to(ids.device, non_blocking=True)
-        h = target_hidden(target, ids, mask)
-        for b, (k, n) in enumerate(zip(keys, lengths)):
-            if k not in self.rows:
-                self.rows[k] = h[b, :n].detach().to("cpu", copy=True)
+        missing = [b for b, k in enumerate(keys) if k not in self.rows]
+        if len(missing) == len(keys):
+            h = target_hidden(target, ids, mask)
+        else:  # the target runs on the rows it has not seen only (new data added to a cached set)
+            dtype = next(iter(self.rows.values())).dtype
+            h = torch.zeros(ids.shape[0], ids.shape[1], next(iter(self.rows.values())).shape[-1], dtype=dtype)
+            for b, k in enumerate(keys):
+                if k in self.rows:
+                    h[b, :lengths[b]] = self.rows[k]
+            h = h.to(ids.device, non_blocking=True)
+            if missing:
+                rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
+                h[rows, :n] = target_hidden(target, ids[rows, :n], mask[rows, :n]).to(dtype)
+        for b in missing:
+            k = keys[b]
+            if k not in self.rows:  # a batch may hold the same row twice
+                self.rows[k] = h[b, :lengths[b]].detach().to("cpu", copy=True)
                 if self.dir is not None:  # only rows to be written by the next flush
                     self.new.append(k)
         return h

@@ -430,3 +430,25 @@ def test_init_from_starts_from_trained_heads(ws, run20):
         config(ws, "warm-bad2", "train.max_steps=1", f"heads.init_from={ws / 'no-such-heads'}")
     with pytest.raises(ConfigError, match="not a draft heads config.*model directory"):  # the target's own dir
         train(config(ws, "warm-bad3", "train.max_steps=1", f"heads.init_from={ws / 'model'}"))
+
+
+def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, tmp_path):
+    """Data grown after a cached run: a batch that mixes cached and new rows runs the target on the new rows
+    only, and the heads are those of a run without any cache."""
+    import medusa_train.trainer as trainer
+
+    cache_dir = tmp_path / "h"
+    # 3 batches of 2: the first 6 rows of the data order, so the next run's second batch of 4 is half cached
+    train(config(ws, "part", "train.max_steps=3", "train.batch_size=2", f"train.hidden_cache_dir={cache_dir}"))
+    before = set(cache_dir.glob("shard-*.pt"))
+    forwarded = []
+    real = trainer.target_hidden
+    monkeypatch.setattr(trainer, "target_hidden", lambda m, ids, *a, **k: forwarded.append(ids.shape[0]) or
+                        real(m, ids, *a, **k))
+    train(config(ws, "grown", "train.max_steps=10", f"train.hidden_cache_dir={cache_dir}"))  # one epoch
+    monkeypatch.setattr(trainer, "target_hidden", real)
+    new_rows = sum(len(torch.load(p, weights_only=True)) for p in set(cache_dir.glob("shard-*.pt")) - before)
+    assert 0 < sum(forwarded) == new_rows < 40  # each new row once; the 40 rows minus those cached before
+    assert any(0 < n < 4 for n in forwarded), forwarded  # mixed batches ran the target on their new rows only
+    train(config(ws, "grown-nocache", "train.max_steps=10"))
+    assert max_diff(ws / "grown", ws / "grown-nocache") <= 1e-6
