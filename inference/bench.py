@@ -97,7 +97,7 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
             rows = json.loads(raw)
             rows = rows if isinstance(rows, list) else [rows]
         except json.JSONDecodeError:
-            rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            rows = [json.loads(line) for line in raw.split("\n") if line.strip()]
         texts = [t for t in (_first_user_turn(r) for r in rows if isinstance(r, dict)) if t and t.strip()]
         if not texts:
             raise BenchError(f"--prompts: no row of {source} has a `prompt`, `turns`, `question` or user message")
@@ -119,7 +119,7 @@ def bigram_texts(path: str) -> list[str]:
     """Texts to count bigrams on: assistant replies of chat rows, else `text`/`output`/`answer` fields.
     `path` is a JSONL file or a directory of them (read in name order)."""
     files = sorted(Path(path).glob("*.jsonl")) if Path(path).is_dir() else [Path(path)]
-    lines = [line for f in files for line in f.read_text(encoding="utf-8").splitlines()]
+    lines = [line for f in files for line in f.read_text(encoding="utf-8").split("\n")]
     out = []
     for line in lines:
         if not line.strip():

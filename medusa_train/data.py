@@ -113,7 +113,7 @@ def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
             obj = json.loads(text)
         except json.JSONDecodeError:
             try:
-                obj = [json.loads(line) for line in text.splitlines() if line.strip()]
+                obj = [json.loads(line) for line in text.split("\n") if line.strip()]
             except json.JSONDecodeError as e:
                 raise DataError(f"data.dataset: {f} is neither JSON nor JSON lines: {_one_line(e)}") from None
         if isinstance(obj, dict):  # {"data": [...]} or a single row

@@ -142,7 +142,7 @@ def read_done_ids(out: Path) -> set[str]:
     for f in [out, *sorted(out.parent.glob(f"{out.name}.rank*"))]:
         if not f.is_file():
             continue
-        for line in f.read_text(encoding="utf-8").splitlines():
+        for line in f.read_text(encoding="utf-8").split("\n"):
             try:
                 done.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError, TypeError):
@@ -157,7 +157,7 @@ def merge_parts(out: Path) -> int:
     added = 0
     with out.open("a", encoding="utf-8") as f:
         for part in sorted(out.parent.glob(f"{out.name}.rank*")):
-            for line in part.read_text(encoding="utf-8").splitlines():
+            for line in part.read_text(encoding="utf-8").split("\n"):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
@@ -177,7 +177,7 @@ def merge_parts(out: Path) -> int:
 def _ids_in(path: Path) -> set[str]:
     ids: set[str] = set()
     if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8").split("\n"):
             try:
                 ids.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError, TypeError):

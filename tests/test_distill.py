@@ -15,7 +15,7 @@ PROMPTS = [D.Prompt(f"p{i}", text) for i, text in enumerate(
 
 
 def rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def greedy_reply(model, tok, text: str, max_new_tokens: int) -> str:
@@ -148,3 +148,25 @@ def test_cli(tmp_path, capsys):
     assert D.main([str(recipe), "--prompts", "default", "--out", str(out), "--exclude", "nope.jsonl"]) == 2
     assert "--exclude: file not found" in capsys.readouterr().err
     assert D.main([str(recipe), "--prompts", "default", "--out", str(out), "--max-new-tokens", "0"]) == 2
+
+
+def test_rows_with_unicode_line_separators_stay_whole(tmp_path):
+    """JSON keeps U+2028/U+2029/U+0085 raw inside strings (we write with ensure_ascii=False), and
+    str.splitlines() splits on them: a reader that used it re-distilled such a row on every resume (its id
+    looked unfinished), dropped it when merging rank parts, and the benchmark's bigram reader crashed on it."""
+    from inference import bench
+
+    from medusa_train.data import _load_json_by_hand
+
+    reply = "first line\u2028second\u2029third\x85fourth"
+    out = tmp_path / "d.jsonl"
+    row = {"id": "p0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]}
+    row1 = {**row, "id": "p1"}
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in (row, row1)), encoding="utf-8")
+    assert D.read_done_ids(out) == {"p0", "p1"}
+    part = tmp_path / "e.jsonl"
+    (tmp_path / "e.jsonl.rank1").write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert D.merge_parts(part) == 1 and [r["messages"][1]["content"] for r in rows(part)] == [reply]
+    assert bench.bigram_texts(str(out)) == [reply, reply]
+    loaded = _load_json_by_hand([str(out)], "d", ValueError("not a datasets file"))
+    assert [r["messages"][1]["content"] for r in loaded] == [reply, reply]
