@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=12, help="batches timed (after 2 of warm-up)")
     p.add_argument("--no-greedy", action="store_true", help="no cached greedy tokens: full-vocab teacher")
     p.add_argument("--table", type=int, default=15, help="rows of the op table (0: none)")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()
 
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.train.seed)
