@@ -26,7 +26,8 @@ from torch import nn
 
 from .config import LossConfig
 from .heads import DraftHeads
-from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize, teacher_logits
+from .losses import (STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize,
+                     teacher_logits)
 from .target import target_hidden
 
 MAX_RANK = 10

@@ -177,6 +177,8 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
         greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
 
     full_teacher = greedy is None or (cfg.distill_weight > 0 and not draft_only)
+    # sized by the heads' vocabulary: a full-vocab teacher over a draft vocabulary's chunk may exceed the cap,
+    # but it is one tensor per chunk, while the heads' passes are many (smaller chunks ran slower overall)
     step = chunk_positions(cfg.chunk_size, B, heads.spec.scored_vocab, states.device)
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
