@@ -81,16 +81,14 @@ def head_logits(heads: DraftHeads, k: int, states: torch.Tensor, lm_head: nn.Mod
     return heads.logits(k, states.to(weight.dtype), lm_head).float()
 
 
-def teacher_logits(lm_head: nn.Module, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's own logits at the given hidden states, in fp32 and without grad; with `rows` (token ids)
-    only those columns, at that fraction of the cost."""
+def teacher_logits(lm_head: nn.Module, h: torch.Tensor, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's own logits at the given hidden states, in fp32 and without grad. With `weight` (and
+    `bias`), the LM head's rows for some tokens, gathered once by the caller: only those columns, at that
+    fraction of the cost."""
     with torch.no_grad():
         flat = h.reshape(-1, h.shape[-1]).to(lm_head.weight.dtype)  # 2-D: one matmul, not a batched one
-        if rows is None:
-            out = lm_head(flat)
-        else:
-            bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[rows]
-            out = nn.functional.linear(flat, lm_head.weight[rows], bias)
+        out = lm_head(flat) if weight is None else nn.functional.linear(flat, weight, bias)
         return out.float().view(*h.shape[:-1], out.shape[-1])
 
 
@@ -171,10 +169,14 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     h_next = shift_left(h, 1, 0.0)  # h_next[:, u] = h[:, u+1]
     h_next = torch.cat([h_next, h_next.new_zeros(B, K, d)], dim=1)  # room for the last chunk's heads
-    weights = [heads.scoring_weight(k, lm_head) for k in range(K)]
+    shared = heads.lm_heads is None  # every head scores with the target's LM head: gather its rows once
+    weights = [heads.scoring_weight(0, lm_head)] * K if shared else [heads.scoring_weight(k, lm_head) for k in range(K)]
     draft_only = greedy is not None and bool(heads.spec.draft_vocab_size)
     if greedy is not None:  # greedy_next[:, u] = greedy[:, u+1], padded like h_next
         greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
+    if draft_only:  # the teacher's draft columns: the LM head's rows of the draft vocabulary
+        teacher_w = weights[0] if shared else lm_head.weight[heads.draft_ids]
+        teacher_b = None if getattr(lm_head, "bias", None) is None else lm_head.bias[heads.draft_ids]
 
     full_teacher = greedy is None or (cfg.distill_weight > 0 and not draft_only)
     # sized by the heads' vocabulary: a full-vocab teacher over a draft vocabulary's chunk may exceed the cap,
@@ -192,7 +194,7 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
         teacher_top = teacher.argmax(-1) if greedy is None else greedy_next[:, a:b + K - 1]
         if cfg.distill_weight > 0:  # soft labels, renormalised over the draft vocabulary if there is one
             if draft_only:
-                teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], heads.draft_ids)  # [B, c+K-1, V']
+                teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], teacher_w, teacher_b)  # [B, c+K-1, V']
             elif heads.spec.draft_vocab_size:
                 teacher = teacher[..., heads.draft_ids]
             teacher_logp = torch.log_softmax(teacher, dim=-1)

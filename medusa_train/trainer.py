@@ -188,47 +188,46 @@ class HiddenCache:
         for shard in sorted(self.dir.glob("shard-*.pt")):
             self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
 
-    def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor], lm_head: torch.nn.Module
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end).
+
+        h comes from the cache where it can; the target runs on the rows it has not seen only. Greedy tokens
+        are kept per row in memory (not on disk: cheap to recompute from h), so a row pays the full-vocab LM
+        head once per run, not once per epoch: with them the loss scores a draft vocabulary's columns only
+        (`chunked_head_losses`)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
         keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
         missing = [b for b, k in enumerate(keys) if k not in self.rows]
         if len(missing) == len(keys):
             h = target_hidden(target, ids, mask)
-        else:  # the target runs on the rows it has not seen only (new data added to a cached set)
-            dtype = next(iter(self.rows.values())).dtype
-            h = torch.zeros(ids.shape[0], ids.shape[1], next(iter(self.rows.values())).shape[-1], dtype=dtype)
+        else:  # new data added to a cached set: the target runs on the new rows only
+            like = next(iter(self.rows.values()))
+            h = torch.zeros(ids.shape[0], ids.shape[1], like.shape[-1], dtype=like.dtype)
             for b, k in enumerate(keys):
                 if k in self.rows:
                     h[b, :lengths[b]] = self.rows[k]
             h = h.to(ids.device, non_blocking=True)
             if missing:
                 rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
-                h[rows, :n] = target_hidden(target, ids[rows, :n], mask[rows, :n]).to(dtype)
+                h[rows, :n] = target_hidden(target, ids[rows, :n], mask[rows, :n]).to(like.dtype)
         for b in missing:
             k = keys[b]
             if k not in self.rows:  # a batch may hold the same row twice
                 self.rows[k] = h[b, :lengths[b]].detach().to("cpu", copy=True)
                 if self.dir is not None:  # only rows to be written by the next flush
                     self.new.append(k)
-        return h
 
-    def greedy(self, lm_head: torch.nn.Module, batch: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        """The target's greedy token at every position [B, T] (0 past each row's end), from h as `hidden`
-        returned it. Kept per row in memory, so a row pays the full-vocab LM head once per run, not once per
-        epoch: with it the loss scores a draft vocabulary's columns only (`chunked_head_losses`)."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        lengths = mask.sum(1).tolist()
-        keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
-        missing = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
-        if missing:
-            fresh = greedy_tokens(lm_head, h[missing])
-            for i, b in enumerate(missing):
+        no_greedy = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
+        if no_greedy:
+            fresh = greedy_tokens(lm_head, h[no_greedy])
+            for i, b in enumerate(no_greedy):
                 self.greedy_rows[keys[b]] = fresh[i, :lengths[b]].to("cpu", copy=True)
-        out = torch.zeros(ids.shape, dtype=torch.long)
+        greedy = torch.zeros(ids.shape, dtype=torch.long)
         for b, k in enumerate(keys):
-            out[b, :lengths[b]] = self.greedy_rows[k]
-        return out.to(ids.device, non_blocking=True)
+            greedy[b, :lengths[b]] = self.greedy_rows[k]
+        return h, greedy.to(ids.device, non_blocking=True)
 
     def flush(self) -> None:
         """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
@@ -415,11 +414,10 @@ def train(cfg: Config) -> TrainResult:
             for batch in batches:
                 with accelerator.accumulate(objective):
                     ids, mask = batch["input_ids"], batch["attention_mask"]
-                    # [B, T, d], no grad; from the cache after the first epoch when train.cache_hidden
-                    h = cache.hidden(forward_target, batch) if cache is not None else \
-                        target_hidden(forward_target, ids, mask)
+                    # h [B, T, d] and (with the cache) greedy tokens, no grad; cached after the first epoch
+                    h, greedy = cache.hidden(forward_target, batch, lm_head) if cache is not None else \
+                        (target_hidden(forward_target, ids, mask), None)
                     h = h.to(embed.weight.dtype)  # a no-op unless target.forward_dtype differs
-                    greedy = cache.greedy(lm_head, batch, h) if cache is not None else None
                     loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head, greedy)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
