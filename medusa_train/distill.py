@@ -136,18 +136,50 @@ def _part_path(out: Path, rank: int) -> Path:
     return out.with_name(f"{out.name}.rank{rank}")
 
 
+def _rows(path: Path):
+    """The complete rows of a JSONL file, in order; a line cut short by a crash (or any unreadable line) is
+    skipped, so its prompt is simply redone. Splits on newlines only: JSON keeps U+2028 and friends raw in
+    strings, and `str.splitlines` would cut a row there."""
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "id" in row:
+            yield row
+
+
+def _prompt_text(row: dict) -> str | None:
+    """The user turn a distilled row answers (None for a row of another shape)."""
+    messages = row.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        content = messages[0].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _with_parts(out: Path) -> list[Path]:
+    return [out, *sorted(out.parent.glob(f"{out.name}.rank*"))]
+
+
+def read_done(out: Path) -> tuple[set[str], set[str]]:
+    """Ids and prompt texts already answered in `out` or any of its per-rank parts."""
+    ids: set[str] = set()
+    texts: set[str] = set()
+    for f in _with_parts(out):
+        for row in _rows(f):
+            ids.add(str(row["id"]))
+            text = _prompt_text(row)
+            if text is not None:
+                texts.add(text)
+    return ids, texts
+
+
 def read_done_ids(out: Path) -> set[str]:
     """Ids already written to `out` or to any of its per-rank parts (a torn last line is ignored)."""
-    done: set[str] = set()
-    for f in [out, *sorted(out.parent.glob(f"{out.name}.rank*"))]:
-        if not f.is_file():
-            continue
-        for line in f.read_text(encoding="utf-8").split("\n"):
-            try:
-                done.add(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by a crash: that prompt is simply redone
-    return done
+    return read_done(out)[0]
 
 
 def merge_parts(out: Path) -> int:
@@ -157,12 +189,8 @@ def merge_parts(out: Path) -> int:
     added = 0
     with out.open("a", encoding="utf-8") as f:
         for part in sorted(out.parent.glob(f"{out.name}.rank*")):
-            for line in part.read_text(encoding="utf-8").split("\n"):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if str(row.get("id")) in have:
+            for row in _rows(part):
+                if str(row["id"]) in have:
                     continue
                 have.add(str(row["id"]))
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -175,14 +203,7 @@ def merge_parts(out: Path) -> int:
 
 
 def _ids_in(path: Path) -> set[str]:
-    ids: set[str] = set()
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").split("\n"):
-            try:
-                ids.add(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return ids
+    return {str(row["id"]) for row in _rows(path)}
 
 
 def _repair_tail(path: Path) -> None:
@@ -278,9 +299,13 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     job = _order(kept, [len(x) for x in kept_ids], order)
     if limit > 0:
         job = job[:limit]
-    done = read_done_ids(out)
-    # shard the job before dropping finished ids, so every process sees the same split whenever it reads
-    todo = [i for i in job[rank::world_size] if kept[i].id not in done]
+    done, done_texts = read_done(out)
+
+    def finished(i: int) -> bool:  # by id, or by text: the same prompt under another pool's id is not redone
+        return kept[i].id in done or kept[i].text in done_texts
+
+    # shard the job before dropping finished prompts, so every process sees the same split whenever it reads
+    todo = [i for i in job[rank::world_size] if not finished(i)]
     target = out if world_size == 1 else _part_path(out, rank)
     _repair_tail(target)
     written = 0
@@ -304,7 +329,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
             bar.update(len(batch))
             bar.set_postfix(rows=len(done) + written * world_size)
     bar.close()
-    return {"job": len(job), "done_before": len([i for i in job if kept[i].id in done]), "written": written,
+    return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
             "too_long": too_long}
 
 

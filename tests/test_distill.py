@@ -78,6 +78,27 @@ def test_rerun_skips_finished_ids_and_redoes_a_torn_line(tmp_path, monkeypatch):
     assert seen == []
 
 
+def test_rerun_under_other_ids_skips_prompts_already_answered(tmp_path, monkeypatch):
+    # the same prompts reached through another pool file (other ids) must not be distilled twice
+    model, tok = tiny_model("llama", seed=2), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
+    renamed = [D.Prompt(id="other-" + p.id, text=p.text) for p in PROMPTS]
+    seen = []
+    real = D.generate_replies
+
+    def spy(model, tok, prompt_ids, *a, **k):
+        seen.append(len(prompt_ids))
+        return real(model, tok, prompt_ids, *a, **k)
+
+    monkeypatch.setattr(D, "generate_replies", spy)
+    counts = D.distill(model, tok, renamed, out, max_new_tokens=4, batch_size=8, progress=False)
+    assert seen == [len(PROMPTS) - 3] and counts["done_before"] == 3 and counts["written"] == len(PROMPTS) - 3
+    got = rows(out)
+    assert [r["id"] for r in got] == ["p0", "p1", "p2"] + [p.id for p in renamed[3:]]
+    assert len({r["messages"][0]["content"] for r in got}) == len(PROMPTS)
+
+
 def test_ranks_write_parts_that_merge_into_one_file(tmp_path):
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     out = tmp_path / "d.jsonl"
