@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
-    p.add_argument("--stride", type=int, default=1, help="keep every stride-th prompt (MT-Bench: 2 keeps 5 per category)")
+    p.add_argument("--stride", type=int, default=1,
+                   help="keep every stride-th prompt (MT-Bench: 2 keeps 5 per category)")
     p.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL_METHODS)} (default: every "
                                                    "method whose inputs were given)")
     p.add_argument("--max-new-tokens", type=int, default=128)

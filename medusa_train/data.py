@@ -197,10 +197,10 @@ def _norm_turns(turns: Any) -> list[dict[str, str]] | None:
 def rows_to_messages(example: dict) -> list[dict[str, str]] | None:
     """The conversation in a row of any supported layout, or None if the row holds none.
 
-    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}] (+ an optional `system` column); Alpaca `instruction` (+ `input`,
-    optional `system` and LLaMA-Factory `history` [[q, a], ...]) + `output`; `prompt`/`question` +
-    `answer`/`response`/`completion`/`output`; prompts only (`prompt`, `question`, MT-Bench `turns`: the
-    first turn) give a single user message.
+    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}] (+ an optional `system` column);
+    Alpaca `instruction` (+ `input`, optional `system` and LLaMA-Factory `history` [[q, a], ...]) + `output`;
+    `prompt`/`question` + `answer`/`response`/`completion`/`output`; prompts only (`prompt`, `question`,
+    MT-Bench `turns`: the first turn) give a single user message.
     """
     kind = _chat_kind(k for k, v in example.items() if v is not None)
     if kind in ("messages", "conversations"):

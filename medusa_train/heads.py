@@ -344,7 +344,8 @@ class DraftHeads(nn.Module):
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
                          layers_per_head=layers_per_head, block=block, own_embed=own_embed, own_lm_head=own_lm_head,
                          draft_vocab_size=0 if draft_ids is None else len(draft_ids),
-                         context_layers=context_layers, target_name=target_name, target_fingerprint=target_fingerprint(target))
+                         context_layers=context_layers, target_name=target_name,
+                         target_fingerprint=target_fingerprint(target))
         heads = cls(spec)
         with torch.no_grad():
             if draft_ids is not None:

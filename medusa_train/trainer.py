@@ -448,7 +448,8 @@ def train(cfg: Config) -> TrainResult:
                     position["tokens"] += int(g_tokens)
                     row = {f"train/{k}": v for k, v in summarize(g_stats, cfg.loss).items()}
                     row.update({"train/loss": float(g_loss), "train/lr": scheduler.get_last_lr()[0],
-                                "train/grad_norm": float(grad_norm), "train/tokens_per_s": int(g_tokens) / (now - t_log),
+                                "train/grad_norm": float(grad_norm),
+                                "train/tokens_per_s": int(g_tokens) / (now - t_log),
                                 "train/epoch": position["epoch"], "train/tokens": position["tokens"]})
                     _log(accelerator, cfg, step, row)
                     bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",

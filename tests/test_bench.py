@@ -111,7 +111,8 @@ def test_prompt_formats(tmp_path):
     held = bench.load_bench_prompts("default", limit=5)
     assert len(held) == 5 and all(isinstance(t, str) and t for t in held)
     # stride keeps every n-th prompt (a per-category sample of MT-Bench), then limit cuts
-    assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), stride=2) == ["Tell me about the sea.", "abc abc abc abc"]
+    strided = bench.load_bench_prompts(str(tmp_path / "p.jsonl"), stride=2)
+    assert strided == ["Tell me about the sea.", "abc abc abc abc"]
     assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1, stride=2) == ["Tell me about the sea."]
 
 

@@ -263,7 +263,10 @@ def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
                 p_logits = teacher[b, t + 1 + k]
                 logp = torch.log_softmax(p_logits[heads.draft_ids] if heads.spec.draft_vocab_size else p_logits, -1)
                 kl = (logp.exp() * (logp - logq)).sum()
-                where = (heads.draft_ids == ids[b, u]).nonzero() if heads.spec.draft_vocab_size else ids[b, u].view(1, 1)
+                if heads.spec.draft_vocab_size:
+                    where = (heads.draft_ids == ids[b, u]).nonzero()
+                else:
+                    where = ids[b, u].view(1, 1)
                 ce = -logq[where[0, 0]] if len(where) else 0.0  # tokens outside a draft vocab are skipped
                 head_sum, n = head_sum + cfg.distill_weight * kl + cfg.ce_weight * ce, n + 1
         total = total + cfg.decay ** k * head_sum / max(n, 1)
