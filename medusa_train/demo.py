@@ -65,16 +65,34 @@ def bench_prompts(explicit: str | None) -> tuple[str, str]:
     return "default", "held-out prompts of the default pool (MT-Bench not found)"
 
 
+def fast_bfloat16() -> bool:
+    """Whether the target's matmuls run faster in bfloat16 here: a CUDA GPU that supports it, or a CPU with AMX or
+    AVX512-BF16 (Linux flags). Elsewhere bfloat16 is emulated on a CPU and slower than float32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("amx_bf16", "avx512_bf16"))
+
+
+def target_dtype(choice: str) -> str:
+    return ("bfloat16" if fast_bfloat16() else "float32") if choice == "auto" else choice
+
+
 def train_cmd(target: str, data: str, kind: str, steps: int, out: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "medusa_train.cli", str(RECIPE), f"target.model={target}", f"data.dataset={data}",
-            f"heads.kind={kind}", f"train.max_steps={steps}", f"train.batch_size={args.batch_size}",
+            f"target.dtype={args.dtype}", f"heads.kind={kind}", f"train.max_steps={steps}",
+            f"train.batch_size={args.batch_size}",
             f"data.max_length={args.max_length}", f"train.warmup_steps={max(1, steps // 20)}",
             "train.save_every=0", f"eval.every={steps}", "eval.max_batches=4",
             f"train.log_every={max(1, steps // 20)}", "tracking.backend=none", f"output_dir={out}"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the four stages; exit non-zero with the failing stage named."""
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m medusa_train.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/demo", help="where data, heads and results go")
     p.add_argument("--distill-prompts", type=int, default=128, help="prompts of the default pool to distill")
@@ -86,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-prompts", default=None, help="benchmark prompt file (default: MT-Bench if found)")
     p.add_argument("--bench-limit", type=int, default=8, help="benchmark prompts")
     p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark generation")
-    args = p.parse_args(argv)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+                   help="the target's dtype while distilling and training (auto: bfloat16 where it is fast: a "
+                        "CPU with AMX or AVX512-BF16, or a GPU); the benchmark always runs the recipe's float32")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the four stages; exit non-zero with the failing stage named."""
+    args = parser().parse_args(argv)
+    args.dtype = target_dtype(args.dtype)
 
     work = (REPO / args.workdir) if not Path(args.workdir).is_absolute() else Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -100,17 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     done(t0, f"target ready at {target}")
 
     t0 = stage(2, total, f"self-distill: SmolLM2's greedy replies to {args.distill_prompts} prompts of the "
-                         f"offline default pool (up to {args.distill_tokens} tokens each)")
-    cmd = [sys.executable, "-m", "medusa_train.distill", RECIPE, f"target.model={target}", "--prompts", "default",
+                         f"offline default pool (up to {args.distill_tokens} tokens each; target in {args.dtype})")
+    cmd = [sys.executable, "-m", "medusa_train.distill", RECIPE, f"target.model={target}",
+           f"target.dtype={args.dtype}", "--prompts", "default",
            "--out", data, "--limit", args.distill_prompts, "--max-new-tokens", args.distill_tokens,
-           "--batch-size", 16]
+           "--batch-size", 32]
     if SHARED_MT_BENCH.is_file():
         cmd += ["--exclude", SHARED_MT_BENCH]
     run(cmd, "self-distillation")
     done(t0, f"distilled data in {data}")
 
     t0 = stage(3, total, f"train heads: chained ({args.steps_chained} steps), then parallel Medusa-1 "
-                         f"({args.steps_parallel} steps), batch {args.batch_size} x {args.max_length} tokens")
+                         f"({args.steps_parallel} steps), batch {args.batch_size} x {args.max_length} tokens, "
+                         f"target in {args.dtype}")
     for kind, steps, out in (("chained", args.steps_chained, chained), ("parallel", args.steps_parallel, parallel)):
         if steps <= 0:
             continue

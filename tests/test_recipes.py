@@ -80,3 +80,21 @@ def test_vicuna_template_supervises_exactly_the_replies():
     assert " USER: Hi there ASSISTANT: Hello!<|im_end|> USER: 2+2? ASSISTANT: 4<|im_end|>" in text
     supervised = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
     assert tok.decode(supervised) == " Hello!<|im_end|> 4<|im_end|>"
+
+
+@pytest.mark.parametrize("kind", ["chained", "parallel"])
+def test_main_job_training_overrides_are_valid_recipe_keys(kind: str, tmp_path: Path, monkeypatch):
+    """The main job shortens recipes/smollm2-135m.yaml with overrides; a key renamed in the config must fail
+    here, not 10 minutes into the demo."""
+    from medusa_train import demo
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    args = demo.parser().parse_args(["--dtype", "bfloat16", "--batch-size", "2", "--max-length", "128"])
+    cmd = demo.train_cmd(str(tmp_path / "model"), str(tmp_path / "d.jsonl"), kind, 40, tmp_path / "out", args)
+    recipe = cmd.index(str(demo.RECIPE))
+    cfg = load_config(cmd[recipe], cmd[recipe + 1:], world_size=1)
+    assert (cfg.heads.kind, cfg.train.max_steps, cfg.train.batch_size) == (kind, 40, 2)
+    assert (cfg.target.dtype, cfg.data.max_length, cfg.output_dir) == ("bfloat16", 128, str(tmp_path / "out"))
+    assert demo.target_dtype("float32") == "float32" and demo.target_dtype("auto") in ("float32", "bfloat16")
