@@ -54,14 +54,9 @@ def test_reply_stops_at_end_of_turn(tmp_path):
     assert replies == [("", "stop", 0), ("", "stop", 0)]  # <|im_end|> first: an empty reply, finished
 
 
-def test_rerun_skips_finished_ids_and_redoes_a_torn_line(tmp_path, monkeypatch):
-    model, tok = tiny_model("llama", seed=2), tiny_tokenizer()
-    out = tmp_path / "d.jsonl"
-    D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
-    first = out.read_text()
-    with out.open("a") as f:  # a crash in the middle of writing p3's row
-        f.write('{"id": "p3", "messages": [{"role": "us')
-    seen = []
+def spy_batches(monkeypatch) -> list[int]:
+    """Record the size of every batch distill generates from here on."""
+    seen: list[int] = []
     real = D.generate_replies
 
     def spy(model, tok, prompt_ids, *a, **k):
@@ -69,6 +64,17 @@ def test_rerun_skips_finished_ids_and_redoes_a_torn_line(tmp_path, monkeypatch):
         return real(model, tok, prompt_ids, *a, **k)
 
     monkeypatch.setattr(D, "generate_replies", spy)
+    return seen
+
+
+def test_rerun_skips_finished_ids_and_redoes_a_torn_line(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama", seed=2), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
+    first = out.read_text()
+    with out.open("a") as f:  # a crash in the middle of writing p3's row
+        f.write('{"id": "p3", "messages": [{"role": "us')
+    seen = spy_batches(monkeypatch)
     counts = D.distill(model, tok, PROMPTS, out, max_new_tokens=4, batch_size=8, progress=False)
     assert seen == [2] and counts["written"] == 2 and counts["done_before"] == 3
     assert out.read_text().startswith(first)  # finished rows untouched, torn line dropped
@@ -84,14 +90,7 @@ def test_rerun_under_other_ids_skips_prompts_already_answered(tmp_path, monkeypa
     out = tmp_path / "d.jsonl"
     D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
     renamed = [D.Prompt(id="other-" + p.id, text=p.text) for p in PROMPTS]
-    seen = []
-    real = D.generate_replies
-
-    def spy(model, tok, prompt_ids, *a, **k):
-        seen.append(len(prompt_ids))
-        return real(model, tok, prompt_ids, *a, **k)
-
-    monkeypatch.setattr(D, "generate_replies", spy)
+    seen = spy_batches(monkeypatch)
     counts = D.distill(model, tok, renamed, out, max_new_tokens=4, batch_size=8, progress=False)
     assert seen == [len(PROMPTS) - 3] and counts["done_before"] == 3 and counts["written"] == len(PROMPTS) - 3
     got = rows(out)
