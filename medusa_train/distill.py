@@ -160,15 +160,16 @@ def _prompt_text(row: dict) -> str | None:
     return None
 
 
-def _with_parts(out: Path) -> list[Path]:
-    return [out, *sorted(out.parent.glob(f"{out.name}.rank*"))]
+def _parts(out: Path) -> list[Path]:
+    """The per-rank part files of `out` a multi-process run left, in rank order."""
+    return sorted(out.parent.glob(f"{out.name}.rank*"))
 
 
 def read_done(out: Path) -> tuple[set[str], set[str]]:
     """Ids and prompt texts already answered in `out` or any of its per-rank parts."""
     ids: set[str] = set()
     texts: set[str] = set()
-    for f in _with_parts(out):
+    for f in [out, *_parts(out)]:
         for row in _rows(f):
             ids.add(str(row["id"]))
             text = _prompt_text(row)
@@ -186,9 +187,10 @@ def merge_parts(out: Path) -> int:
     """Append every complete row of `out`'s per-rank parts to `out` (skipping ids it has), delete the parts.
     Returns the number of rows appended."""
     have = _ids_in(out)
+    parts = _parts(out)
     added = 0
     with out.open("a", encoding="utf-8") as f:
-        for part in sorted(out.parent.glob(f"{out.name}.rank*")):
+        for part in parts:
             for row in _rows(part):
                 if str(row["id"]) in have:
                     continue
@@ -197,7 +199,7 @@ def merge_parts(out: Path) -> int:
                 added += 1
         f.flush()
         os.fsync(f.fileno())
-    for part in out.parent.glob(f"{out.name}.rank*"):
+    for part in parts:
         part.unlink()
     return added
 
@@ -410,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         f"target {cfg.target.model}; {accelerator.num_processes} process(es)")
     model, tokenizer = load_target(cfg.target, device=accelerator.device)
     out = Path(args.out)
-    if accelerator.is_main_process and list(out.parent.glob(f"{out.name}.rank*")):
+    if accelerator.is_main_process and _parts(out):
         merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
     accelerator.wait_for_everyone()
     before = len(_ids_in(out))
