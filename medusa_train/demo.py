@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "medusa_train.distill", RECIPE, f"target.model={target}",
            f"target.dtype={args.dtype}", "--prompts", "default",
            "--out", data, "--limit", args.distill_prompts, "--max-new-tokens", args.distill_tokens,
-           "--batch-size", 32]
+           "--batch-size", 16]
     if SHARED_MT_BENCH.is_file():
         cmd += ["--exclude", SHARED_MT_BENCH]
     run(cmd, "self-distillation")
