@@ -202,17 +202,6 @@ def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
     return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup)
 
 
-def trim_tree(tree: Tree, costs: Sequence[float], path_logp: torch.Tensor | None = None) -> Tree:
-    """`tree` cut to the nodes worth their verify rows (`trim_keep`), ranked by `path_logp` or else by the
-    drafter's own path probabilities (`tree.scores`). Where a verify of a few tokens costs much more than
-    one (a CPU), a step whose drafts are all unlikely verifies the root alone; where the cost is flat (a
-    GPU) every node stays. A node's path probability never exceeds its parent's (and a tiny depth penalty
-    breaks ties), so the kept nodes form a tree. Returns `tree` itself when every node stays."""
-    path_logp = tree.scores if path_logp is None else path_logp
-    keep = None if path_logp is None else trim_keep(path_logp, tree.depth, costs)
-    return tree if keep is None else subtree(tree, keep)
-
-
 def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None,
                    match_lengths: Sequence[int] | None = None) -> Tree:
     """`tree` with token chains (host ints) hung under its root, at most `max_new` new nodes in all.

@@ -10,7 +10,7 @@ from tiny import VOCAB, save_tiny, tiny_tokenizer
 from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, Drafter
 from inference.generate import main
-from inference.tree import graft_branches, tree_from_parents, trim_tree
+from inference.tree import graft_branches, subtree, tree_from_parents, trim_keep
 
 
 def _tree(tokens, parents, depth):
@@ -182,7 +182,13 @@ def test_from_pretrained_and_cli_take_lookup_nodes(tmp_path, capsys):
     assert "lookup_nodes" in capsys.readouterr().err
 
 
-# -- cost-aware trimming (tree.trim_tree; on a CPU with the auto budget) -------------------------------
+# -- cost-aware trimming (tree.trim_keep + subtree; on a CPU with the auto budget) ---------------------
+
+
+def trim_tree(tree, costs):
+    """What Calibrator.trim does, ranked by the drafter's own path probabilities instead of calibrated ones."""
+    keep = None if tree.scores is None else trim_keep(tree.scores, tree.depth, costs)
+    return tree if keep is None else subtree(tree, keep)
 
 
 def test_trim_tree_keeps_the_nodes_worth_their_verify_rows():
