@@ -103,7 +103,8 @@ def _load_hub(data: DataConfig):
 
 
 def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
-    """Fallback for JSON that the arrow reader rejects (e.g. a top-level object of rows, mixed types)."""
+    """Fallback for JSON that the arrow reader rejects (a top-level object of rows, mixed types, files of different
+    layouts)."""
     import datasets
 
     rows: list[dict] = []
@@ -125,8 +126,11 @@ def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
         rows += obj
     if not rows:
         raise DataError(f"data.dataset {name} is empty (no rows)")
+    # every column of every row: from_list takes its columns from the first row alone, so a directory of
+    # chat rows and Alpaca rows would otherwise lose every Alpaca row's content
+    columns = list(dict.fromkeys(k for r in rows for k in r))
     try:
-        return datasets.Dataset.from_list(rows)
+        return datasets.Dataset.from_list([{k: r.get(k) for k in columns} for r in rows])
     except Exception:  # noqa: BLE001
         raise DataError(f"data.dataset: could not read {name}: {_one_line(first_error)}") from None
 

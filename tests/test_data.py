@@ -188,6 +188,19 @@ def test_alpaca_and_gsm8k_files_train_as_chat(tok, tmp_path):
         assert got == answers
 
 
+def test_a_directory_of_different_layouts_loses_no_row(tok, tmp_path):
+    # the json reader takes its columns from one file; chat rows beside Alpaca rows must all still train
+    d = tmp_path / "mixed"
+    d.mkdir()
+    write_jsonl(d / "a-chat.jsonl", [{"messages": c} for c in CONVS[1:2]])
+    write_jsonl(d / "b-alpaca.jsonl", [{"instruction": f"Do {i}.", "input": "", "output": f"Done {i}."}
+                                       for i in range(3)])
+    train, _, info = build_datasets(cfg_for(str(d)), tok)
+    assert info["format"] == "chat" and info["rows"] == 4
+    got = {tok.decode(s[0])[: -len(EOT)] for s in (spans(r["input_ids"], r["labels"]) for r in train)}
+    assert got == {"4", "Done 0.", "Done 1.", "Done 2."}
+
+
 # ---------------------------------------------------------------------------------------------------
 # text packing
 
