@@ -63,44 +63,24 @@ Runner = Callable[[torch.Tensor, int], RunResult]  # (input_ids [1, T], max_new_
 # Prompts
 
 
-def _first_user_turn(row: dict) -> str | None:
-    """MT-Bench / Spec-Bench `turns` (first turn), a `prompt`/`question`/`instruction` field, or the first
-    user message of `messages` / ShareGPT `conversations`."""
-    turns = row.get("turns")
-    if isinstance(turns, list) and turns:
-        return str(turns[0])
-    for key in ("prompt", "question", "instruction"):
-        if isinstance(row.get(key), str):
-            return row[key]
-    for key in ("messages", "conversations"):
-        for m in row.get(key) or []:
-            if isinstance(m, dict) and str(m.get("role", m.get("from", ""))).lower() in ("user", "human"):
-                return str(m.get("content", m.get("value", "")))
-    return None
-
-
 def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str]:
-    """Prompts from a JSON/JSONL file (see `_first_user_turn`), or `default`: the held-out split of the
-    offline default pool (topics and tasks the default training split never uses). `stride` keeps every
-    stride-th prompt (MT-Bench is ordered by category, so stride 2 keeps 5 of each category's 10), then
-    `limit` the first N of those."""
+    """First user turns (MT-Bench `turns`, `prompt`/`question`/`instruction`, a conversation's first user
+    message), each distinct text once, from whatever the trainer reads (a JSON/JSONL/parquet file, a directory,
+    a hub name) or `default`: the held-out split of the offline default pool (topics and tasks the default
+    training split never uses). `stride` keeps every stride-th prompt (MT-Bench is ordered by category, so
+    stride 2 keeps 5 of each category's 10), then `limit` the first N of those."""
     if source == "default":
         from medusa_train.prompts import default_prompts
 
         texts = [t for _, t in default_prompts("heldout")]
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise BenchError(f"--prompts: file not found: {source} (a JSONL with `prompt` or `turns`, or `default`)")
-        raw = path.read_text(encoding="utf-8")
+        from medusa_train.config import ConfigError
+        from medusa_train.distill import load_prompts
+
         try:
-            rows = json.loads(raw)
-            rows = rows if isinstance(rows, list) else [rows]
-        except json.JSONDecodeError:
-            rows = [json.loads(line) for line in raw.split("\n") if line.strip()]
-        texts = [t for t in (_first_user_turn(r) for r in rows if isinstance(r, dict)) if t and t.strip()]
-        if not texts:
-            raise BenchError(f"--prompts: no row of {source} has a `prompt`, `turns`, `question` or user message")
+            texts = [p.text for p in load_prompts(source)]
+        except ConfigError as e:  # the data loader's own message, about our flag
+            raise BenchError(str(e).replace("data.dataset", "--prompts")) from None
     texts = texts[::stride]
     return texts[:limit] if limit > 0 else texts
 
@@ -116,18 +96,18 @@ def render(tokenizer, text: str) -> torch.Tensor:
 
 
 def bigram_texts(path: str) -> list[str]:
-    """Texts to count bigrams on: assistant replies of chat rows, else `text`/`output`/`answer` fields.
-    `path` is a JSONL file or a directory of them (read in name order)."""
-    files = sorted(Path(path).glob("*.jsonl")) if Path(path).is_dir() else [Path(path)]
-    lines = [line for f in files for line in f.read_text(encoding="utf-8").split("\n")]
+    """Texts to count bigrams on: the assistant replies of chat rows, else a `text`/`output`/`answer` field,
+    from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
+    from medusa_train.config import DataConfig
+    from medusa_train.data import DataError, load_raw, rows_to_messages
+
     out = []
-    for line in lines:
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        msgs = row.get("messages") or row.get("conversations") or []
-        replies = [str(m.get("content", m.get("value", ""))) for m in msgs if isinstance(m, dict)
-                   and str(m.get("role", m.get("from", ""))).lower() in ("assistant", "gpt")]
+    for row in load_raw(DataConfig(dataset=path)):
+        try:
+            msgs = rows_to_messages(row) or []
+        except DataError:
+            msgs = []
+        replies = [m["content"] for m in msgs if m["role"] == "assistant"]
         if not replies:
             replies = [str(row[k]) for k in ("text", "output", "answer", "response") if isinstance(row.get(k), str)]
         out += replies

@@ -104,7 +104,9 @@ def test_interleaving_rotates_and_repeats():
 
 
 def test_prompt_formats(tmp_path):
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS + [{"prompt": "  "}]))
+    # a blank prompt is skipped and a repeated one kept once (the benchmark reads prompts as distill does)
+    rows = PROMPTS[:2] + [{"prompt": "  "}, {"prompt": "Tell me about the sea."}] + PROMPTS[2:]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in rows))
     assert bench.load_bench_prompts(str(tmp_path / "p.jsonl")) == [
         "Tell me about the sea.", "Say hello hello hello.", "abc abc abc abc"]
     assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1) == ["Tell me about the sea."]
@@ -120,9 +122,11 @@ def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
     chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "reply one"}]}
     (tmp_path / "a.jsonl").write_text(json.dumps(chat) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"output": "reply two"}) + "\n")
-    (tmp_path / "notes.txt").write_text("not data")
     assert bench.bigram_texts(str(tmp_path)) == ["reply one", "reply two"]
     assert bench.bigram_texts(str(tmp_path / "b.jsonl")) == ["reply two"]
+    (tmp_path / "notes.txt").write_text("not data")  # the trainer would refuse this directory; so do we
+    with pytest.raises(ValueError, match="mixes file types"):
+        bench.bigram_texts(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv, message", [
