@@ -38,14 +38,6 @@ def tok():
     return tiny_tokenizer()
 
 
-@pytest.fixture(autouse=True)
-def own_datasets_cache(tmp_path, monkeypatch):
-    """Keep the arrow caches of these throwaway files out of the user's ~/.cache."""
-    import datasets.config
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets-cache")
-
-
 def write_json(path, obj):
     path.write_text(json.dumps(obj))
     return str(path)
