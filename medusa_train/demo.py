@@ -17,8 +17,8 @@ Stages (each prints what it does and how long it took; every stage resumes or re
 
 The stage sizes are flags; `--steps-chained 0` skips a stage. Defaults are sized for 2 otherwise idle cores
 either way `--dtype auto` goes. Measured on a Xeon with AMX (bfloat16): distill 184 s, training 145 s
-(0.3 s a step), benchmark 301 s. Without a fast bfloat16 (float32) the same stages scale from earlier
-float32 runs to about 260, 380 and 300 s: about 17 minutes, inside the 25 with the install.
+(0.3 s a step), benchmark 301 s: 10.5 minutes. The same stages in float32 (`--dtype float32`, what a CPU
+without fast bfloat16 gets): 280, 310 and 296 s, 14.8 minutes; inside the 25 with the install either way.
 """
 
 from __future__ import annotations
