@@ -96,10 +96,10 @@ def render(tokenizer, text: str) -> torch.Tensor:
 
 
 def bigram_texts(path: str) -> list[str]:
-    """Texts to count bigrams on: the assistant replies of chat rows, else a `text`/`output`/`answer` field,
-    from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
+    """Texts to count bigrams on: the assistant replies of chat rows, else a `text` or answer field (the
+    trainer's `ANSWER_KEYS`), from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
     from medusa_train.config import DataConfig
-    from medusa_train.data import DataError, load_raw, rows_to_messages
+    from medusa_train.data import ANSWER_KEYS, DataError, load_raw, rows_to_messages
 
     out = []
     for row in load_raw(DataConfig(dataset=path)):
@@ -109,7 +109,7 @@ def bigram_texts(path: str) -> list[str]:
             msgs = []
         replies = [m["content"] for m in msgs if m["role"] == "assistant"]
         if not replies:
-            replies = [str(row[k]) for k in ("text", "output", "answer", "response") if isinstance(row.get(k), str)]
+            replies = [row[k] for k in ("text", *ANSWER_KEYS) if isinstance(row.get(k), str)]
         out += replies
     return out
 

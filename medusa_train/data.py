@@ -147,7 +147,7 @@ _ROLES = {"system": "system", "human": "user", "user": "user", "prompter": "user
           "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
           "bing": "assistant", "gpt4": "assistant", "model": "assistant"}
 _PROMPT_KEYS = ("prompt", "question", "query", "instruction", "input")
-_ANSWER_KEYS = ("answer", "response", "completion", "output")
+ANSWER_KEYS = ("answer", "response", "completion", "output")  # also what inference.bench counts bigrams on
 
 
 def _chat_kind(columns: Iterable[str]) -> str | None:
@@ -159,7 +159,7 @@ def _chat_kind(columns: Iterable[str]) -> str | None:
         return "conversations"
     if "instruction" in cols and "output" in cols:
         return "alpaca"
-    if any(k in cols for k in _PROMPT_KEYS) and any(k in cols for k in _ANSWER_KEYS):
+    if any(k in cols for k in _PROMPT_KEYS) and any(k in cols for k in ANSWER_KEYS):
         return "pair"
     if "turns" in cols or any(k in cols for k in _PROMPT_KEYS):
         return "prompts"
@@ -229,7 +229,7 @@ def rows_to_messages(example: dict) -> list[dict[str, str]] | None:
     if kind == "pair":
         user = _content(_first(example, *_PROMPT_KEYS))
         return [{"role": "user", "content": user},
-                {"role": "assistant", "content": _content(_first(example, *_ANSWER_KEYS))}]
+                {"role": "assistant", "content": _content(_first(example, *ANSWER_KEYS))}]
     if kind == "prompts":
         turns = example.get("turns")
         if isinstance(turns, list) and turns:

@@ -124,6 +124,9 @@ def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"output": "reply two"}) + "\n")
     assert bench.bigram_texts(str(tmp_path)) == ["reply one", "reply two"]
     assert bench.bigram_texts(str(tmp_path / "b.jsonl")) == ["reply two"]
+    # plain text and every answer column the trainer knows count too
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "plain", "completion": "done", "id": "7"}) + "\n")
+    assert bench.bigram_texts(str(tmp_path / "c.jsonl")) == ["plain", "done"]
     (tmp_path / "notes.txt").write_text("not data")  # the trainer would refuse this directory; so do we
     with pytest.raises(ValueError, match="mixes file types"):
         bench.bigram_texts(str(tmp_path))
