@@ -97,4 +97,8 @@ def test_main_job_training_overrides_are_valid_recipe_keys(kind: str, tmp_path: 
     cfg = load_config(cmd[recipe], cmd[recipe + 1:], world_size=1)
     assert (cfg.heads.kind, cfg.train.max_steps, cfg.train.batch_size) == (kind, 40, 2)
     assert (cfg.target.dtype, cfg.data.max_length, cfg.output_dir) == ("bfloat16", 128, str(tmp_path / "out"))
+    # the recipe itself is the full-length run; the main job shortens it to the settings its numbers came from
+    full = load_config(cmd[recipe], [f"target.model={tmp_path / 'model'}"], world_size=1)
+    assert (full.heads.draft_vocab_size, full.heads.context_layers, full.train.lr) == (8192, 1, 2e-3)
+    assert (cfg.heads.draft_vocab_size, cfg.heads.context_layers, cfg.train.lr) == (4096, 0, 3e-3)
     assert demo.target_dtype("float32") == "float32" and demo.target_dtype("auto") in ("float32", "bfloat16")
