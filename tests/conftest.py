@@ -22,13 +22,8 @@ def own_datasets_cache(tmp_path_factory):
     """Keep the arrow caches of the tests' throwaway data files out of the user's ~/.cache."""
     import datasets.config
 
-    before, env_before = datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_DATASETS_CACHE")
     cache = tmp_path_factory.mktemp("hf-datasets-cache")
-    datasets.config.HF_DATASETS_CACHE = cache
-    os.environ["HF_DATASETS_CACHE"] = str(cache)  # and in the subprocesses the CLI tests start
-    yield
-    datasets.config.HF_DATASETS_CACHE = before
-    if env_before is None:
-        os.environ.pop("HF_DATASETS_CACHE", None)
-    else:
-        os.environ["HF_DATASETS_CACHE"] = env_before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        mp.setenv("HF_DATASETS_CACHE", str(cache))  # and in the subprocesses the CLI tests start
+        yield
