@@ -110,6 +110,7 @@ class TrainConfig:
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""

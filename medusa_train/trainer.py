@@ -97,6 +97,18 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: weight decay on matrices only. Biases and norm scales (1-D) are
+    not pulled towards 0, which for a norm scale would shrink everything after it. With no decay, one
+    group, as checkpoints written before the split hold."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not weight_decay:
+        return [{"params": params, "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The newest complete `checkpoints/step-N` (temp dirs of an interrupted save are ignored)."""
     root = Path(output_dir) / CHECKPOINTS
@@ -365,8 +377,7 @@ def train(cfg: Config) -> TrainResult:
                       f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
 
     objective = HeadsObjective(heads, cfg.loss)
-    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                  weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
     cache = None
     if cfg.train.cache_hidden or cfg.train.hidden_cache_dir:
         cache = HiddenCache(cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,

@@ -455,3 +455,27 @@ def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, t
     assert any(0 < n < 4 for n in forwarded), forwarded  # mixed batches ran the target on their new rows only
     train(config(ws, "grown-nocache", "train.max_steps=10"))
     assert max_diff(ws / "grown", ws / "grown-nocache") <= 1e-6
+
+
+def test_weight_decay_shrinks_matrices_and_leaves_biases_and_norm_scales():
+    from medusa_train.heads import HeadsSpec
+    from medusa_train.trainer import param_groups
+
+    heads = DraftHeads(HeadsSpec(kind="chained", num_heads=2, hidden_size=64, vocab_size=100, context_layers=1))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(1.0)  # zero-initialised weights would not show decay
+    before = {n: p.detach().clone() for n, p in heads.named_parameters()}
+    lr, wd = 0.1, 0.5
+    opt = torch.optim.AdamW(param_groups(heads, wd), lr=lr)
+    for p in heads.parameters():
+        p.grad = torch.zeros_like(p)  # Adam's own update is 0: only the decay moves anything
+    opt.step()
+    one_d = [n for n, p in heads.named_parameters() if p.ndim == 1]
+    assert any(n.endswith("norm.weight") for n in one_d) and any(n.endswith("bias") for n in one_d)
+    for n, p in heads.named_parameters():
+        factor = 1.0 if p.ndim == 1 else 1 - lr * wd
+        torch.testing.assert_close(p.detach(), before[n] * factor, msg=n)
+    # no decay: one group of every parameter, the layout of checkpoints written before the split
+    groups = param_groups(heads, 0.0)
+    assert len(groups) == 1 and len(groups[0]["params"]) == len(list(heads.parameters()))
