@@ -12,12 +12,25 @@ the bonus token included) is
 
 `acceptance.json` in the output directory holds these numbers; the inference engine builds its static
 tree from them.
+
+The same numbers for trained heads on any chat data (your users' prompts with the target's replies, e.g. from
+`python -m medusa_train.distill`), before serving them:
+
+    python -m medusa_train.evaluate recipes/smollm2-135m.yaml target.model=$T data.dataset=replies.jsonl \
+        --heads runs/smollm2-135m-chained [--max-reply-tokens 128] [--split eval] [--out acceptance.json]
+
+`--max-reply-tokens N` scores only each row's first N supervised tokens (what generating N tokens sees);
+`--split eval` scores the recipe's own held-out split (same shuffle and size as training) instead of every row:
+with the recipe's `eval.max_batches` as `--max-batches` (default 0: all), it reproduces the run's acceptance.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -126,3 +139,99 @@ def save_acceptance(directory: str | os.PathLike, acceptance: dict[str, Any], sp
     tmp.write_text(json.dumps(acceptance | {"split": split}, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def crop_replies(row: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Keep a tokenized row up to its `max_tokens`-th supervised label (labels != -100), so that only the
+    first `max_tokens` reply tokens are scored."""
+    seen = 0
+    for i, label in enumerate(row["labels"]):
+        if label != -100:
+            seen += 1
+            if seen == max_tokens:
+                return {"input_ids": row["input_ids"][:i + 1], "labels": row["labels"][:i + 1]}
+    return {"input_ids": row["input_ids"], "labels": row["labels"]}
+
+
+def format_report(acceptance: dict[str, Any], ranks: int = 3) -> str:
+    """A per-head table: top-1, top-`ranks` (cumulative, given a right path) and positions, then the chain tau."""
+    lines = [f"{'head':>4}  {'top-1':>6}  {f'top-{ranks}':>6}  {'positions':>9}"]
+    for k, row in enumerate(acceptance["topk_accuracy"]):
+        lines.append(f"{k + 1:>4}  {row[0]:>6.3f}  {sum(row[:ranks]):>6.3f}  {acceptance['positions_per_head'][k]:>9}")
+    lines.append(f"expected tau of a chain (top-1 per head, bonus token included): {acceptance['expected_tau']:.3f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m medusa_train.evaluate",
+                                description="Per-head acceptance and expected chain tau of trained heads on chat data.")
+    p.add_argument("recipe", help="recipe YAML: its target and data sections are used (override data.dataset)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset=replies.jsonl")
+    p.add_argument("--heads", required=True, help="trained heads directory")
+    p.add_argument("--split", choices=("all", "eval"), default="all",
+                   help="all: every row of data.dataset (default); eval: the recipe's held-out split")
+    p.add_argument("--max-reply-tokens", type=int, default=0, help="score only each row's first N reply tokens")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-batches", type=int, default=0, help="score only the first N batches (0: all)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", default=None, help="write the acceptance JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; exit code 2 on bad input (recipe, data, heads directory or target mismatch)."""
+    from torch.utils.data import DataLoader
+
+    from .config import ConfigError, load_config
+    from .data import build_datasets, collate
+    from .heads import HeadsMismatchError
+    from .target import load_model, load_tokenizer
+
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        if args.max_reply_tokens < 0 or args.max_batches < 0 or args.batch_size < 1:
+            raise ConfigError("--max-reply-tokens and --max-batches must be >= 0 (0: all), --batch-size >= 1")
+        heads_dir = Path(args.heads)
+        if not heads_dir.is_dir():
+            raise ConfigError(f"--heads: no such directory: {heads_dir}")
+        overrides = list(args.overrides) + (["data.eval_size=0"] if args.split == "all" else [])
+        cfg = load_config(args.recipe, overrides)
+        tokenizer = load_tokenizer(cfg.target)
+        train_ds, eval_ds, _ = build_datasets(cfg, tokenizer)
+        if args.split == "eval" and eval_ds is None:
+            raise ConfigError("--split eval: the recipe has no held-out split (data.eval_size=0); use --split all")
+        ds = train_ds if args.split == "all" else eval_ds
+        if args.max_reply_tokens:
+            ds = ds.map(partial(crop_replies, max_tokens=args.max_reply_tokens), desc="Cropping replies")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        target = load_model(cfg.target, device)
+        heads = DraftHeads.from_pretrained(heads_dir, target, device=device, dtype=torch.float32)
+    except (ConfigError, FileNotFoundError, HeadsMismatchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False,
+                        collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))
+    batches = ({k: v.to(device) for k, v in b.items()} for b in loader)
+    _, acceptance = evaluate(heads, target, batches, cfg.loss, args.max_batches)
+    rows = min(len(ds), args.max_batches * args.batch_size) if args.max_batches else len(ds)
+    print(f"{heads_dir} on {cfg.data.dataset} ({args.split}: {rows} rows"
+          f"{f', first {args.max_reply_tokens} reply tokens' if args.max_reply_tokens else ''}; "
+          f"target {cfg.target.model}, {cfg.target.dtype})")
+    print(format_report(acceptance))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"heads": str(heads_dir), "dataset": str(cfg.data.dataset), "split": args.split,
+                "rows": rows, "max_reply_tokens": args.max_reply_tokens}
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(acceptance | meta, indent=2) + "\n")
+        os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -163,6 +163,39 @@ def test_heads_round_trip_and_refuse_another_target(ws, run20):
         DraftHeads.from_pretrained(cfg.output_dir, target=tiny_model("llama", hidden=64))
 
 
+def test_evaluate_cli_reproduces_the_held_out_acceptance_and_crops_replies(ws, run20, tmp_path, capsys):
+    from medusa_train import evaluate as E
+    from tiny import save_tiny
+
+    cfg, _ = run20
+    base = [str(ws / "base.yaml"), "--heads", str(cfg.output_dir)]
+    # training's final evaluation: the held-out split, eval.max_batches (2) batches of 4
+    assert E.main(base + ["--split", "eval", "--max-batches", "2", "--out", str(tmp_path / "eval.json")]) == 0
+    got = json.loads((tmp_path / "eval.json").read_text())
+    saved = json.loads((Path(cfg.output_dir) / "acceptance.json").read_text())
+    assert got["positions_per_head"] == saved["positions_per_head"] and got["rows"] == 8
+    assert got["expected_tau"] == pytest.approx(saved["expected_tau"])
+    assert f"{saved['expected_tau']:.3f}" in capsys.readouterr().out
+
+    assert E.main(base + ["--out", str(tmp_path / "all.json")]) == 0
+    assert E.main(base + ["--max-reply-tokens", "6", "--out", str(tmp_path / "crop.json")]) == 0
+    full, crop = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("all", "crop"))
+    assert full["rows"] == crop["rows"] > got["rows"]  # every row, not the held-out split
+    # head 1 at position t scores the target's token at t+2: 6 supervised tokens leave at most 4 per row
+    assert 0 < crop["positions"] <= 4 * crop["rows"] < full["positions"]
+
+    row = {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, 3, 4, 5, 6]}
+    assert E.crop_replies(row, 2) == {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}
+    assert E.crop_replies(row, 9) == row
+
+    capsys.readouterr()
+    assert E.main([str(ws / "base.yaml"), "--heads", str(tmp_path / "missing")]) == 2
+    assert "--heads: no such directory" in capsys.readouterr().err
+    save_tiny(tmp_path / "other", "llama", seed=1)
+    assert E.main(base + [f"target.model={tmp_path / 'other'}"]) == 2
+    assert "weights differ" in capsys.readouterr().err
+
+
 def test_resume_from_step_10_ends_where_the_uninterrupted_run_ends(ws, run20):
     cfg, _ = run20
     out = ws / "resumed"
