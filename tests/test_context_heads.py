@@ -121,3 +121,74 @@ def test_training_moves_every_context_parameter(ws, monkeypatch):  # noqa: F811
         assert not torch.equal(p0, trained[name].detach().cpu()), f"head parameter {name} did not move"
     again = DraftHeads.from_pretrained(cfg.output_dir, target=result.target)
     assert again.spec.context_layers == 1
+
+
+class DraftRecording(HeadsDrafter):
+    """Keeps every step's committed length and drafted chain (node tokens by depth)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.steps: list[tuple[int, list[int]]] = []
+
+    def draft(self, ctx: DraftContext):
+        tree = super().draft(ctx)
+        order = torch.argsort(tree.depth[1:], stable=True) + 1
+        self.steps.append((len(ctx.tokens), tree.tokens[order].tolist()))
+        return tree
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("context_layers", [0, 1])
+def test_every_engine_draft_is_the_training_forwards_top1(arch, context_layers):
+    """Greedy output is exact whatever the heads draft, so a drafting bug would only show as a lower tau. With
+    heads fitted to be right part of the time, every token a top-1 chain drafts, up to and including its first
+    miss, is the teacher-forced training forward's top-1 at that position (one forward over the final
+    sequence), so every step accepts exactly what that forward predicts."""
+    from medusa_train.target import target_hidden
+
+    model = float64_model(arch, seed=1)
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(11))
+    max_new, K = 60, 3
+    truth = greedy_reference(model, prompt, max_new, eos_token_id=[])
+    seq = torch.cat([prompt[0], truth])[None]
+    heads = perturbed(DraftHeads.for_target(model, "chained", K, context_layers=context_layers).double(), 3, 0.5)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    with torch.no_grad():
+        h = target_hidden(model, seq, torch.ones_like(seq))
+    for _ in range(300):  # fit this very sequence until head 1 is right about half the time, not always
+        logits = [heads.logits(k, heads(h, seq, embed)[k], lm_head)[0, :-2 - k] for k in range(K)]
+        if (logits[0].argmax(-1) == seq[0, 2:]).double().mean() >= 0.5:
+            break
+        loss = sum(torch.nn.functional.cross_entropy(logits[k], seq[0, 2 + k:]) for k in range(K))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    heads.eval()
+    with torch.no_grad():
+        states = heads(h, seq, embed)
+        top = torch.stack([heads.logits(k, states[k], lm_head).argmax(-1)[0] for k in range(K)])  # [K, L]
+
+    drafter = DraftRecording(heads, model)
+    gen = SpeculativeGenerator(model, tiny_tokenizer(), drafter)
+    out = gen.generate(prompt, max_new_tokens=max_new, tree=[(0,), (0, 0), (0, 0, 0)], tree_budget=K,
+                       eos_token_id=[])
+    assert out.token_ids.tolist() == truth.tolist()
+    assert len(drafter.steps) == len(out.stats.accept_lengths)
+    compared = 0
+    for (n, drafts), accepted in zip(drafter.steps, out.stats.accept_lengths):
+        # committed length n: the root is seq[n-1], s_0 comes from h at n-2, head k guesses seq[n+k]
+        right = 0
+        for k, d in enumerate(drafts):
+            if n + k >= seq.shape[1]:
+                break
+            assert d == top[k, n - 2], f"step at {n}: head {k + 1} drafted {d}, the training forward {top[k, n - 2]}"
+            compared += 1
+            if d != seq[0, n + k]:
+                break
+            right += 1
+        if n + K < seq.shape[1]:  # the last step may be cut short by max_new_tokens
+            assert accepted == right + 1
+    got = out.stats.accept_lengths[:-1]
+    assert compared > len(got) and 1 in got and max(got) > 2  # misses and long accepts both happened
