@@ -1,6 +1,7 @@
 """Context heads (heads.context_layers > 0): the inference-time encoder with its KV cache computes exactly
 what the teacher-forced training forward computes, greedy output stays the target's, and training moves
-every encoder parameter."""
+every encoder parameter. And for chained heads with or without the encoder: every token the engine drafts
+along a chain, up to its first miss, is the training forward's top-1 there."""
 
 from __future__ import annotations
 
