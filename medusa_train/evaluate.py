@@ -21,7 +21,8 @@ The same numbers for trained heads on any chat data (your users' prompts with th
 
 `--max-reply-tokens N` scores only each row's first N supervised tokens (what generating N tokens sees);
 `--split eval` scores the recipe's own held-out split (same shuffle and size as training) instead of every row:
-with the recipe's `eval.max_batches` as `--max-batches` (default 0: all), it reproduces the run's acceptance.json.
+with the recipe's `eval.max_batches` as `--max-batches` (default 0: all) and batches of the recipe's
+`train.batch_size` (the default), it reproduces a single-process run's acceptance.json.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("all", "eval"), default="all",
                    help="all: every row of data.dataset (default); eval: the recipe's held-out split")
     p.add_argument("--max-reply-tokens", type=int, default=0, help="score only each row's first N reply tokens")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=None, help="default: the recipe's train.batch_size")
     p.add_argument("--max-batches", type=int, default=0, help="score only the first N batches (0: all)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="write the acceptance JSON here")
@@ -193,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_intermixed_args(argv)
     try:
-        if args.max_reply_tokens < 0 or args.max_batches < 0 or args.batch_size < 1:
+        if args.max_reply_tokens < 0 or args.max_batches < 0 or (args.batch_size is not None and args.batch_size < 1):
             raise ConfigError("--max-reply-tokens and --max-batches must be >= 0 (0: all), --batch-size >= 1")
         heads_dir = Path(args.heads)
         if not heads_dir.is_dir():
             raise ConfigError(f"--heads: no such directory: {heads_dir}")
         overrides = list(args.overrides) + (["data.eval_size=0"] if args.split == "all" else [])
         cfg = load_config(args.recipe, overrides)
+        batch_size = args.batch_size or cfg.train.batch_size
         tokenizer = load_tokenizer(cfg.target)
         train_ds, eval_ds, _ = build_datasets(cfg, tokenizer)
         if args.split == "eval" and eval_ds is None:
@@ -213,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, HeadsMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    loader = DataLoader(ds, batch_size=args.batch_size, shuffle=False,
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=False,
                         collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))
     batches = ({k: v.to(device) for k, v in b.items()} for b in loader)
     _, acceptance = evaluate(heads, target, batches, cfg.loss, args.max_batches)
-    rows = min(len(ds), args.max_batches * args.batch_size) if args.max_batches else len(ds)
+    rows = min(len(ds), args.max_batches * batch_size) if args.max_batches else len(ds)
     print(f"{heads_dir} on {cfg.data.dataset} ({args.split}: {rows} rows"
           f"{f', first {args.max_reply_tokens} reply tokens' if args.max_reply_tokens else ''}; "
           f"target {cfg.target.model}, {cfg.target.dtype})")
