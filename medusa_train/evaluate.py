@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .config import LossConfig
-from .heads import DraftHeads
+from .heads import DraftHeads, HeadsMismatchError, atomic_write
 from .losses import (STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize,
                      teacher_logits)
 from .target import target_hidden
@@ -189,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError, load_config
     from .data import build_datasets, collate
-    from .heads import HeadsMismatchError
     from .target import load_model, load_tokenizer
 
     args = build_parser().parse_intermixed_args(argv)
@@ -229,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"heads": str(heads_dir), "dataset": str(cfg.data.dataset), "split": args.split,
                 "rows": rows, "max_reply_tokens": args.max_reply_tokens}
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(acceptance | meta, indent=2) + "\n")
-        os.replace(tmp, out)
+        atomic_write(out, lambda tmp: Path(tmp).write_text(json.dumps(acceptance | meta, indent=2) + "\n"))
     return 0
 
 

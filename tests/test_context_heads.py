@@ -159,7 +159,8 @@ def test_every_engine_draft_is_the_training_forwards_top1(arch, context_layers):
     with torch.no_grad():
         h = target_hidden(model, seq, torch.ones_like(seq))
     for _ in range(300):  # fit this very sequence until head 1 is right about half the time, not always
-        logits = [heads.logits(k, heads(h, seq, embed)[k], lm_head)[0, :-2 - k] for k in range(K)]
+        states = heads(h, seq, embed)
+        logits = [heads.logits(k, states[k], lm_head)[0, :-2 - k] for k in range(K)]
         if (logits[0].argmax(-1) == seq[0, 2:]).double().mean() >= 0.5:
             break
         loss = sum(torch.nn.functional.cross_entropy(logits[k], seq[0, 2 + k:]) for k in range(K))
