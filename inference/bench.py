@@ -87,11 +87,9 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
 
 def render(tokenizer, text: str) -> torch.Tensor:
     """The prompt as one user turn through the chat template (raw text if the tokenizer has none): [1, T]."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-    else:
-        ids = tokenizer(text)["input_ids"]
+    from medusa_train.chat import render_prompt
+
+    ids = render_prompt(tokenizer, text) if getattr(tokenizer, "chat_template", None) else tokenizer(text)["input_ids"]
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
@@ -99,7 +97,9 @@ def bigram_texts(path: str) -> list[str]:
     """Texts to count bigrams on: the assistant replies of chat rows, else a `text` or answer field (the
     trainer's `ANSWER_KEYS`), from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
     from medusa_train.config import DataConfig
-    from medusa_train.data import ANSWER_KEYS, DataError, load_raw, rows_to_messages
+    from medusa_train.data import load_raw
+    from medusa_train.errors import DataError
+    from medusa_train.formats import ANSWER_KEYS, rows_to_messages
 
     out = []
     for row in load_raw(DataConfig(dataset=path)):
@@ -384,9 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.kernels import use_onednn_linear
-    from medusa_train.target import resolve_dtype
+    from medusa_train.target import default_device, resolve_dtype
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(args.device)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"[bench] loading {args.target} on {device}; methods: {', '.join(methods)}; {len(texts)} prompts, "
         f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")

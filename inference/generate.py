@@ -17,7 +17,6 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,6 +27,8 @@ from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafte
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache, crop_cache, new_cache
 from inference.tree import Tree, tree_from_parents
+from medusa_train.chat import render_prompt
+from medusa_train.target import eos_ids
 from inference.verify import (accept_greedy, accept_lossless, accept_typical, sample_token, target_forward,
                               target_probs, verify_tree)
 
@@ -207,23 +208,20 @@ class SpeculativeGenerator:
         earlier match of the context (0: the heads alone)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, load_spec
+        from medusa_train.heads import load_spec
+        from medusa_train.target import default_device, resolve_dtype
 
-        if not (Path(heads_dir) / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{heads_dir} is not a heads directory: expected {CONFIG_NAME} and {WEIGHTS_NAME} "
-                                    f"(written by the trainer's save_pretrained)")
+        spec = load_spec(heads_dir)  # FileNotFoundError first if it is not a heads directory
         if isinstance(target, nn.Module):
             model = target
             name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
         else:
-            name = str(target) if target is not None else load_spec(heads_dir).target_name
+            name = str(target) if target is not None else spec.target_name
             if not name:
                 raise ValueError(f"{heads_dir}/config.json names no target model: pass target=PATH")
-            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            if dtype is None or dtype == "auto":
-                dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-            elif isinstance(dtype, str):
-                dtype = getattr(torch, dtype)
+            dev = default_device(device)
+            if not isinstance(dtype, torch.dtype):
+                dtype = resolve_dtype(dtype or "auto", dev)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(dev)
             use_onednn_linear(model)  # float32 on a CPU: oneDNN's matmul, faster at every row count
         if tokenizer is None and name:
@@ -241,15 +239,11 @@ class SpeculativeGenerator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: build the generator with one, or pass input_ids")
-            if chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError("chat=True but the tokenizer has no chat template; pass chat=False")
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                          add_generation_prompt=True)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
+            ids = render_prompt(self.tokenizer, prompt) if chat else self.tokenizer(prompt)["input_ids"]
             input_ids = torch.tensor(ids, dtype=torch.long)[None]
+        elif isinstance(prompt, (list, tuple)) and any(isinstance(p, str) for p in prompt):
+            raise ValueError(f"generate takes one prompt at a time, got a list of {len(prompt)} strings: call "
+                             "generate once per prompt")
         else:
             input_ids = torch.as_tensor(prompt, dtype=torch.long)
             if input_ids.dim() == 1:
@@ -267,14 +261,9 @@ class SpeculativeGenerator:
         return input_ids.to(self.device)
 
     def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> set[int]:
-        """The stop tokens: the argument, else the target's generation config, else the tokenizer's."""
+        """The stop tokens: the argument, else those `model.generate` stops at (`medusa_train.target.eos_ids`)."""
         if eos_token_id is None:
-            gen_config = getattr(self.target, "generation_config", None)
-            eos_token_id = getattr(gen_config, "eos_token_id", None)
-            if eos_token_id is None and self.tokenizer is not None:
-                eos_token_id = self.tokenizer.eos_token_id
-        if eos_token_id is None:
-            return set()
+            return set(eos_ids(self.target, self.tokenizer))
         return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
     # -- the ladder -----------------------------------------------------------------------------------

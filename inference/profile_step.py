@@ -30,6 +30,7 @@ from inference.generate import DecodeState, Sampling, SpeculativeGenerator
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache
 from inference.verify import verify_tree
+from medusa_train.target import default_device
 
 PHASES = ("draft", "trim", "verify", "accept", "update", "compact", "observe")
 
@@ -196,7 +197,7 @@ def main() -> None:
         parser.error("--target and --heads go together (the real mode); give both or neither")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(args.device)
     for tree in args.tree:
         for b in args.budget:
             budget = b if b == "auto" else int(b)

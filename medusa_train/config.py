@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import glob
 import os
 import re
 import types
@@ -21,9 +20,10 @@ from typing import Any, Literal
 
 import yaml
 
+from .errors import ConfigError
+from .files import is_heads_dir, local_data_files, looks_local
 
-class ConfigError(ValueError):
-    """A recipe or override is invalid. The message is one line that names the key."""
+__all__ = ["ConfigError", "Config", "load_config", "validate"]
 
 
 @dataclass
@@ -51,16 +51,17 @@ class TargetConfig:
 @dataclass
 class HeadsConfig:
     kind: Literal["chained", "parallel"] = "chained"
-    """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (mlp_speculator
-    block). `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline)."""
+    """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (`heads.block` says how).
+    `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline)."""
     num_heads: int = 4
     """K: head k predicts token x_{t+1+k}."""
     layers_per_head: int = 1
-    """Blocks per head. Chained heads export to vLLM's mlp_speculator only with 1."""
+    """Blocks per head (the mlp_speculator export needs 1)."""
     block: Literal["residual", "mlp_speculator"] = "residual"
     """Chained block. `residual`: s_k = s_{k-1} + silu(W [s_{k-1}; embed(x)] + b), zero-initialised so a head
     starts as the target's own guess (learns fastest with the target's frozen LM head). `mlp_speculator`:
-    vLLM's serving format for chained heads, exportable with `DraftHeads.export_mlp_speculator`."""
+    IBM's MLP speculator step, exportable to its format with `DraftHeads.export_mlp_speculator` (which vLLM
+    no longer serves since 0.33)."""
     own_embed: bool = False
     """Give the heads their own (trainable) token embedding instead of the target's frozen one."""
     own_lm_head: bool = False
@@ -215,14 +216,6 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
     return cfg
 
 
-def config_from_dict(raw: dict[str, Any], world_size: int = 1) -> Config:
-    """Build and validate a Config from a nested dict (as saved next to heads and checkpoints)."""
-    cfg = _build(Config, raw, prefix="")
-    _expand_home(cfg)
-    validate(cfg, world_size=world_size)
-    return cfg
-
-
 def _expand_home(cfg: Config) -> None:
     """`~/...` in path-valued keys means the home directory (from_pretrained and datasets do not expand it)."""
     for section, key in (("target", "model"), ("data", "dataset"), ("train", "hidden_cache_dir"), (None, "output_dir"),
@@ -264,16 +257,37 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+# Names other trainers use for our keys (HF TrainingArguments, torchtune, Medusa's own scripts): a key typed
+# from habit, or misspelled from one, is pointed at ours.
+_ALIASES = {
+    "learning_rate": "train.lr", "per_device_train_batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum", "num_train_epochs": "train.epochs",
+    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_total_limit": "train.keep_checkpoints",
+    "gradient_clipping": "train.max_grad_norm", "clip_grad_norm": "train.max_grad_norm", "steps": "train.max_steps",
+    "max_seq_length": "data.max_length", "max_seq_len": "data.max_length", "seq_len": "data.max_length",
+    "dataset_name": "data.dataset", "model_name_or_path": "target.model", "torch_dtype": "target.dtype",
+    "medusa_num_heads": "heads.num_heads", "medusa_num_layers": "heads.layers_per_head",
+    "eval_steps": "eval.every", "kl_weight": "loss.distill_weight", "report_to": "tracking.backend",
+    "wandb_project": "tracking.project",
+}
+
+
+def _nearest_key(key: str) -> str | None:
+    """The valid key `key` most likely meant: its last part matched against our keys' last parts and the
+    aliases above, a key in the same section (or the section it most likely meant) winning a tie."""
+    hints = typing.get_type_hints(Config)
+    sections = [name for name, hint in hints.items() if dataclasses.is_dataclass(hint)]
+    section, _, leaf = key.rpartition(".")
+    section = (difflib.get_close_matches(section, sections, n=1, cutoff=0.6) or [section])[0]
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in _all_keys(Config) if k not in sections} | _ALIASES
+    score, best = max((difflib.SequenceMatcher(None, leaf, name).ratio()
+                       + (0.05 if k.rpartition(".")[0] == section else 0.0), k) for name, k in by_leaf.items())
+    return best if score >= 0.6 else None
+
+
 def _unknown_key_error(key: str) -> ConfigError:
-    valid = _all_keys(Config)
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not near:  # a misspelled leaf under the right section: compare leaf names
-        leaf = key.rsplit(".", 1)[-1]
-        leaves = {k.rsplit(".", 1)[-1]: k for k in valid}
-        hit = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
-        near = [leaves[hit[0]]] if hit else []
-    hint = f"; did you mean {near[0]}?" if near else ""
-    return ConfigError(f"unknown config key: {key}{hint}")
+    near = _nearest_key(key)
+    return ConfigError(f"unknown config key: {key}" + (f"; did you mean {near}?" if near else ""))
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -345,36 +359,6 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
-_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow")
-
-
-def _looks_local(name: str) -> bool:
-    """A name we should find on disk rather than on the hub: explicit paths, data files, globs."""
-    return (name.startswith(("/", "./", "../", "~")) or name.lower().endswith(_DATA_SUFFIXES + (".gguf",))
-            or any(c in name for c in "*?[") or os.sep + os.sep in name)
-
-
-def local_data_files(dataset: str) -> list[str] | None:
-    """The files `dataset` names on disk (a file, a directory of data files, or a glob), or None for a
-    hub name. Raises ConfigError when it clearly names local files that are not there."""
-    path = Path(os.path.expanduser(dataset))
-    if path.is_file():
-        return [str(path)]
-    if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _DATA_SUFFIXES)
-        if not files:
-            raise ConfigError(f"data.dataset: directory {dataset} holds no json/jsonl/parquet/txt/csv files")
-        return files
-    if any(c in dataset for c in "*?["):
-        files = sorted(glob.glob(os.path.expanduser(dataset), recursive=True))
-        if not files:
-            raise ConfigError(f"data.dataset: glob {dataset} matches no files")
-        return files
-    if _looks_local(dataset):
-        raise ConfigError(f"data.dataset: file not found: {dataset}")
-    return None
-
-
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Range and consistency checks. Raises ConfigError naming the key."""
 
@@ -383,7 +367,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
             raise ConfigError(msg)
 
     need(bool(cfg.target.model), "target.model is required: a hub name or a local model directory")
-    if _looks_local(cfg.target.model) or os.path.sep in cfg.target.model and Path(cfg.target.model).exists():
+    if looks_local(cfg.target.model) or os.path.sep in cfg.target.model and Path(cfg.target.model).exists():
         need(Path(os.path.expanduser(cfg.target.model)).exists(),
              f"target.model: directory not found: {cfg.target.model}")
     tmpl = cfg.target.chat_template
@@ -399,7 +383,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(0 <= h.context_layers <= 8, f"heads.context_layers must be between 0 and 8, got {h.context_layers}")
     need(h.draft_vocab_size >= 0, f"heads.draft_vocab_size must be >= 0 (0: full vocab), got {h.draft_vocab_size}")
     if h.init_from:
-        need((Path(h.init_from) / "config.json").is_file() and (Path(h.init_from) / "model.safetensors").is_file(),
+        need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")
 
     d = cfg.data

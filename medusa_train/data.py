@@ -2,14 +2,11 @@
 
 Two formats (`data.format`, `auto` picks):
 
-- chat: one conversation per row, rendered with `tokenizer.apply_chat_template` and truncated to
-  `data.max_length`. `labels[t] = input_ids[t]` on the tokens the model generates in assistant replies
-  (the reply text and the end-of-turn token, e.g. `<|im_end|>`), -100 elsewhere (system and user turns,
-  the assistant header, the newline a template puts after the end-of-turn token). Reply spans are found
-  by rendering prefixes of the conversation, never with `{% generation %}`, so any template works that
-  renders earlier turns the same way once later turns are added. Rows may be `messages` ({role,
-  content}), ShareGPT `conversations` ({from, value}), Alpaca ({instruction, input, output}) or a
-  question/prompt + answer pair (GSM8K); see `rows_to_messages`.
+- chat: one conversation per row (any layout of `formats.py`), rendered with the target's chat template
+  (`chat.py`) and truncated to `data.max_length`. `labels[t] = input_ids[t]` on the tokens the model
+  generates in assistant replies (the reply text and the end-of-turn token, e.g. `<|im_end|>`), -100
+  elsewhere (system and user turns, the assistant header, the newline a template puts after the
+  end-of-turn token).
 - text: `data.text_column` tokenized, documents joined with EOS after each one (BOS before each one when
   the tokenizer adds BOS) and cut into blocks of exactly `data.max_length`; only the very last block may
   be shorter, so no token is lost. `labels = input_ids`. A `.txt` file is one document.
@@ -27,18 +24,16 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
-from .config import Config, ConfigError, DataConfig, local_data_files
-
-IGNORE_INDEX = -100
-
-
-class DataError(ConfigError):
-    """The dataset cannot be used as configured. The message is one line that names the fix."""
+from .chat import IGNORE_INDEX, ChatTemplateError, end_of_turn_ids, tokenize_chat
+from .config import Config, DataConfig
+from .errors import ConfigError, DataError
+from .files import local_data_files
+from .formats import chat_messages, detect_format
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,226 +136,6 @@ def _one_line(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Row formats
-
-_ROLES = {"system": "system", "human": "user", "user": "user", "prompter": "user",
-          "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-          "bing": "assistant", "gpt4": "assistant", "model": "assistant"}
-_PROMPT_KEYS = ("prompt", "question", "query", "instruction", "input")
-ANSWER_KEYS = ("answer", "response", "completion", "output")  # also what inference.bench counts bigrams on
-
-
-def _chat_kind(columns: Iterable[str]) -> str | None:
-    """Which chat layout a set of columns holds: a pair-style one ranks over prompts-only."""
-    cols = set(columns)
-    if "messages" in cols:
-        return "messages"
-    if "conversations" in cols:
-        return "conversations"
-    if "instruction" in cols and "output" in cols:
-        return "alpaca"
-    if any(k in cols for k in _PROMPT_KEYS) and any(k in cols for k in ANSWER_KEYS):
-        return "pair"
-    if "turns" in cols or any(k in cols for k in _PROMPT_KEYS):
-        return "prompts"
-    return None
-
-
-def _content(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):  # OpenAI-style content parts
-        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
-    return str(value)
-
-
-def _first(d: dict, *keys: str) -> Any:
-    for k in keys:
-        if d.get(k) is not None:
-            return d[k]
-    return None
-
-
-def _norm_turns(turns: Any) -> list[dict[str, str]] | None:
-    if not isinstance(turns, list):
-        return None
-    out = []
-    for m in turns:
-        if not isinstance(m, dict):
-            raise DataError(f"chat turns must be objects with role/content or from/value, got {m!r:.80}")
-        role = _first(m, "role", "from")
-        mapped = _ROLES.get(str(role).strip().lower()) if role is not None else None
-        if mapped is None:
-            raise DataError(f"unknown chat role {role!r}; known roles: {', '.join(sorted(_ROLES))}")
-        out.append({"role": mapped, "content": _content(_first(m, "content", "value", "text"))})
-    return out
-
-
-def rows_to_messages(example: dict) -> list[dict[str, str]] | None:
-    """The conversation in a row of any supported layout, or None if the row holds none.
-
-    `messages` [{role, content}]; ShareGPT `conversations` [{from, value}] (+ an optional `system` column);
-    Alpaca `instruction` (+ `input`, optional `system` and LLaMA-Factory `history` [[q, a], ...]) + `output`;
-    `prompt`/`question` + `answer`/`response`/`completion`/`output`; prompts only (`prompt`, `question`,
-    MT-Bench `turns`: the first turn) give a single user message.
-    """
-    kind = _chat_kind(k for k, v in example.items() if v is not None)
-    if kind in ("messages", "conversations"):
-        msgs = _norm_turns(example[kind])
-        system = _content(example.get("system"))  # some ShareGPT sets keep the system prompt beside the turns
-        if msgs is not None and system.strip() and not (msgs and msgs[0]["role"] == "system"):
-            msgs = [{"role": "system", "content": system}] + msgs
-        return msgs
-    if kind == "alpaca":
-        user = _content(example.get("instruction"))
-        extra = _content(example.get("input"))
-        if extra.strip():
-            user = f"{user}\n\n{extra}" if user.strip() else extra
-        msgs = []
-        if _content(example.get("system")).strip():
-            msgs.append({"role": "system", "content": _content(example["system"])})
-        for pair in example.get("history") or []:
-            if isinstance(pair, (list, tuple)) and len(pair) == 2:
-                msgs += [{"role": "user", "content": _content(pair[0])},
-                         {"role": "assistant", "content": _content(pair[1])}]
-        return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": _content(example["output"])}]
-    if kind == "pair":
-        user = _content(_first(example, *_PROMPT_KEYS))
-        return [{"role": "user", "content": user},
-                {"role": "assistant", "content": _content(_first(example, *ANSWER_KEYS))}]
-    if kind == "prompts":
-        turns = example.get("turns")
-        if isinstance(turns, list) and turns:
-            return [{"role": "user", "content": _content(turns[0])}]
-        return [{"role": "user", "content": _content(_first(example, *_PROMPT_KEYS))}]
-    return None
-
-
-def chat_messages(example: dict) -> list[dict[str, str]]:
-    """The row's conversation normalised to [{role: system|user|assistant, content}]; DataError if none."""
-    msgs = rows_to_messages(example)
-    if msgs is None:
-        raise DataError(f"row has no conversation: columns {sorted(example)}; expected messages [{{role, content}}] "
-                        "or conversations [{from, value}]")
-    return msgs
-
-
-def prompt_of(example: dict) -> str | None:
-    """The first user prompt of a row in any supported layout (None if it has none or it is blank)."""
-    try:
-        msgs = rows_to_messages(example)
-    except DataError:
-        return None
-    for m in msgs or []:
-        if m["role"] == "user":
-            return m["content"] if m["content"].strip() else None
-    return None
-
-
-def detect_format(ds, data: DataConfig) -> Literal["text", "chat"]:
-    """`data.format`, or for `auto` chat when a conversation column exists, else text. Checks columns."""
-    cols = list(ds.column_names)
-    kind = _chat_kind(cols)
-    if data.format == "chat":
-        if kind is None:
-            raise DataError(f"data.format=chat but {data.dataset} has columns {cols}; it needs messages "
-                            "[{role, content}] or conversations [{from, value}] (or instruction/output, "
-                            "question/answer)")
-        return "chat"
-    if data.format == "text":
-        if data.text_column not in cols:
-            raise DataError(f"data.text_column={data.text_column!r} is not a column of {data.dataset}; its "
-                            f"columns are {cols}: set data.text_column")
-        return "text"
-    if kind is not None and kind != "prompts":
-        return "chat"
-    if data.text_column in cols:
-        return "text"
-    if kind == "prompts":
-        return "chat"  # prompts only: fails later with the self-distillation hint
-    raise DataError(f"{data.dataset} has no {data.text_column!r} column and no messages/conversations column; "
-                    f"its columns are {cols}: set data.text_column to the text column (or data.format)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Chat tokenization
-
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                "<|end_of_text|>", "</s>", "<|END_OF_TURN_TOKEN|>", "<|return|>")
-
-
-class ChatTemplateError(DataError):
-    """The chat template does not render a conversation as a prefix-stable sequence (fatal, not per row)."""
-
-
-def _end_ids(tokenizer) -> frozenset[int]:
-    """Ids that end a reply: EOS and the end-of-turn markers the tokenizer knows as added tokens."""
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    added = tokenizer.get_added_vocab()
-    return frozenset(ids | {int(added[t]) for t in _END_OF_TURN if t in added})
-
-
-def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int,
-                  end_ids: frozenset[int] | None = None) -> dict[str, list[int]]:
-    """Render a conversation with the tokenizer's chat template; supervise only assistant replies.
-
-    For assistant turn i, `messages[:i]` rendered with the generation prompt must be a token prefix of
-    the whole conversation: the reply starts there. It ends after the first end-of-turn token (EOS or a
-    known marker such as <|im_end|>) in what `messages[:i+1]` adds, or where that rendering ends if it has
-    none. Templates that render a reply differently once later turns follow (Qwen3 drops the empty
-    think block of earlier replies) still have a stable start; the span then ends at the first end-of-turn
-    token of the full rendering. A template whose earlier turns change (e.g. it moves the system prompt
-    into the last user turn) raises ChatTemplateError.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the target's tokenizer has no chat template; use data.format=text or a chat model")
-    if end_ids is None:
-        end_ids = _end_ids(tokenizer)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
-    for i in turns:
-        texts.append(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-                     if i else _generation_prompt(tokenizer))
-        texts.append(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
-    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]  # one batched call
-    full = list(enc[0])
-    labels = [IGNORE_INDEX] * len(full)
-    for j, i in enumerate(turns):
-        before, upto = enc[1 + 2 * j], enc[2 + 2 * j]
-        start = len(before)
-        if full[:start] != before:
-            raise ChatTemplateError(
-                f"the chat template renders the turns before message {i} differently once later turns are added "
-                "(e.g. it moves the system prompt or adds per-conversation text), so reply spans cannot be found; "
-                "use single-turn rows or another chat template")
-        if full[: len(upto)] == upto:  # the usual case: this reply renders the same as in the full sequence
-            region, stop = upto, len(upto)
-        else:
-            region, stop = full, None
-        for t in range(start, len(region)):
-            if region[t] in end_ids:
-                stop = t + 1
-                break
-        if stop is None:
-            raise ChatTemplateError(f"message {i}: the chat template renders this reply differently once later "
-                                    "turns follow and ends it with no end-of-turn token; use single-turn rows")
-        labels[start:stop] = full[start:stop]
-    return {"input_ids": full[:max_length], "labels": labels[:max_length]}
-
-
-def _generation_prompt(tokenizer) -> str:
-    """What comes before an assistant reply that opens a conversation: its rendering cut where the reply starts."""
-    probe = "\x00MEDUSA_PROBE\x00"
-    text = tokenizer.apply_chat_template([{"role": "assistant", "content": probe}], tokenize=False)
-    cut = text.find(probe)
-    if cut < 0:
-        raise ChatTemplateError("the chat template drops assistant-first conversations; start rows with a user turn")
-    return text[:cut]
-
-
-# ---------------------------------------------------------------------------------------------------
 # Building the datasets
 
 
@@ -425,7 +200,7 @@ _TRUNCATED = "first assistant reply starts beyond data.max_length"
 def _chat_batch(batch, tokenizer, max_length: int):
     keys = list(batch)
     out: dict[str, list] = {"input_ids": [], "labels": [], "n_sup": [], "drop_reason": []}
-    end_ids = _end_ids(tokenizer)
+    end_ids = end_of_turn_ids(tokenizer)
     for i in range(len(batch[keys[0]])):
         row = {k: batch[k][i] for k in keys}
         ids: list[int] = []

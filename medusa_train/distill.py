@@ -38,7 +38,9 @@ from typing import Iterable, Literal
 
 import torch
 
+from .chat import render_prompt
 from .config import ConfigError, DataConfig, load_config
+from .target import eos_ids
 
 Order = Literal["file", "shortest", "longest"]
 
@@ -62,7 +64,7 @@ def _row_id(row: dict, index: int, prefix: str) -> str:
 
 def _user_turns(row: dict) -> list[str]:
     """Every user turn of a row (MT-Bench `turns`, a conversation's user messages, or its prompt)."""
-    from .data import prompt_of, rows_to_messages
+    from .formats import prompt_of, rows_to_messages
 
     if isinstance(row.get("turns"), list):
         return [t for t in row["turns"] if isinstance(t, str) and t.strip()]
@@ -89,7 +91,7 @@ def load_prompts(source: str) -> list[Prompt]:
         from .prompts import default_prompts
 
         return [Prompt(i, t) for i, t in default_prompts("train")]
-    from .data import prompt_of
+    from .formats import prompt_of
 
     rows = _load_rows(source)
     prefix = Path(source).stem if Path(source).exists() else source.replace("/", "_")
@@ -178,11 +180,6 @@ def read_done(out: Path) -> tuple[set[str], set[str]]:
     return ids, texts
 
 
-def read_done_ids(out: Path) -> set[str]:
-    """Ids already written to `out` or to any of its per-rank parts (a torn last line is ignored)."""
-    return read_done(out)[0]
-
-
 def merge_parts(out: Path) -> int:
     """Append every complete row of `out`'s per-rank parts to `out` (skipping ids it has), delete the parts.
     Returns the number of rows appended."""
@@ -223,20 +220,7 @@ def _repair_tail(path: Path) -> None:
 
 def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     """Each prompt as a single user turn through the chat template, with the assistant header appended."""
-    out = []
-    for p in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        out.append(list(ids))
-    return out
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
+    return [render_prompt(tokenizer, p.text) for p in prompts]
 
 
 @torch.inference_mode()
@@ -245,7 +229,9 @@ def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_toke
     """One batched `generate` over left-padded prompts. Returns (reply text, finish, new tokens) per prompt:
     the reply is cut at the first end-of-turn token (`finish="stop"`), else `finish="length"`."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)  # a reply also ends at the tokenizer's own EOS
     width = max(len(p) for p in prompt_ids)
     device = model.device
     input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [B, T], padded on the left

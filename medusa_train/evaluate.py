@@ -39,43 +39,41 @@ import torch
 from torch import nn
 
 from .config import LossConfig
-from .heads import DraftHeads, HeadsMismatchError, atomic_write
-from .losses import (STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize,
-                     teacher_logits)
-from .target import target_hidden
+from .files import atomic_write_text
+from .heads import DraftHeads, HeadsMismatchError
+from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize
+from .target_states import TargetStates
 
 MAX_RANK = 10
 ACCEPTANCE_NAME = "acceptance.json"
 
 
 @torch.no_grad()
-def conditional_rank_hits(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
+def conditional_rank_hits(heads: DraftHeads, states: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor,
                           labels: torch.Tensor, attention_mask: torch.Tensor | None, lm_head: nn.Module | None,
                           chunk_size: int = 1024, max_rank: int = MAX_RANK) -> torch.Tensor:
     """Per-sequence counts [B, K, max_rank + 1]: column r < max_rank counts positions where the target's
-    greedy token is exactly head k's (r+1)-th candidate, given a right path; the last column counts the
-    positions where head k was scored (valid and right path)."""
+    greedy token (`greedy` [B, T], from `TargetStates`) is exactly head k's (r+1)-th candidate, given a right
+    path; the last column counts the positions where head k was scored (valid and right path)."""
     K, B, T, _ = states.shape
     target_ids, valid = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]
-    h_next = shift_left(h, 1, 0.0)
-    h_next = torch.cat([h_next, h_next.new_zeros(B, K, h.shape[-1])], dim=1)
+    greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)  # [:, u] = greedy[:, u+1]
     out = torch.zeros(B, K, max_rank + 1, device=states.device)
-    step = chunk_positions(chunk_size, B, heads.spec.vocab_size, states.device)
+    step = chunk_positions(chunk_size, B, heads.spec.scored_vocab, states.device)
     for a in range(0, T, step):
         b = min(a + step, T)
         c = b - a
-        greedy_all = teacher_logits(lm_head, h_next[:, a:b + K - 1]).argmax(-1)  # [B, c+K-1] target ids
         path_right = torch.ones(B, c, dtype=torch.bool, device=states.device)
         for k in range(K):
-            greedy = greedy_all[:, k:k + c]  # the target's token at t+1+k for x_{t+2+k}
+            greedy_k = greedy_next[:, a + k:b + k]  # the target's token at t+1+k for x_{t+2+k}
             logits = head_logits(heads, k, states[k, :, a:b], lm_head)  # [B, c, Vs]
             top = heads.to_target_ids(logits.topk(min(max_rank, logits.shape[-1]), dim=-1).indices)
             counted = valid[k, :, a:b] & path_right
-            hits = (top == greedy.unsqueeze(-1)) & counted.unsqueeze(-1)  # [B, c, R]
+            hits = (top == greedy_k.unsqueeze(-1)) & counted.unsqueeze(-1)  # [B, c, R]
             out[:, k, :hits.shape[-1]] += hits.sum(1).float()
             out[:, k, max_rank] += counted.sum(1).float()
             data = target_ids[k, :, a:b]
-            path_right = counted & (top[..., 0] == greedy) & (data == greedy)
+            path_right = counted & (top[..., 0] == greedy_k) & (data == greedy_k)
     return out
 
 
@@ -105,6 +103,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
     was_training = heads.training
     heads.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    target_states = TargetStates(target, lm_head)
     dtype = next(heads.parameters()).dtype
     K = heads.spec.num_heads
     stats = torch.zeros(K, len(STATS))
@@ -113,13 +112,14 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
         if max_batches and i >= max_batches:
             break
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-        h = target_hidden(target, ids, mask)
+        h, greedy = target_states(batch)
         states = heads(h.to(dtype), ids, embed)
         # per-sequence loss statistics, so that gather_for_metrics can drop duplicated samples
-        per_seq = torch.stack([chunked_head_losses(heads, states[:, b:b + 1], h[b:b + 1], ids[b:b + 1],
-                                                   labels[b:b + 1], mask[b:b + 1], lm_head, loss_cfg)[1]
+        per_seq = torch.stack([chunked_head_losses(heads, states[:, b:b + 1], h[b:b + 1], greedy[b:b + 1],
+                                                   ids[b:b + 1], labels[b:b + 1], mask[b:b + 1], lm_head,
+                                                   loss_cfg)[1]
                                for b in range(ids.shape[0])])  # [B, K, S]
-        seq_hits = conditional_rank_hits(heads, states, h, ids, labels, mask, lm_head, loss_cfg.chunk_size)
+        seq_hits = conditional_rank_hits(heads, states, greedy, ids, labels, mask, lm_head, loss_cfg.chunk_size)
         if accelerator is not None:
             per_seq, seq_hits = accelerator.gather_for_metrics((per_seq, seq_hits))
         stats += per_seq.sum(0).cpu()
@@ -136,9 +136,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
 def save_acceptance(directory: str | os.PathLike, acceptance: dict[str, Any], split: str) -> Path:
     """Write acceptance.json (temp file, then rename) and return its path."""
     path = Path(directory) / ACCEPTANCE_NAME
-    tmp = path.with_name(f".{ACCEPTANCE_NAME}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(acceptance | {"split": split}, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(acceptance | {"split": split}, indent=2) + "\n")
     return path
 
 
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError, load_config
     from .data import build_datasets, collate
-    from .target import load_model, load_tokenizer
+    from .target import default_device, load_model, load_tokenizer
 
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         ds = train_ds if args.split == "all" else eval_ds
         if args.max_reply_tokens:
             ds = ds.map(partial(crop_replies, max_tokens=args.max_reply_tokens), desc="Cropping replies")
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = default_device(args.device)
         target = load_model(cfg.target, device)
         heads = DraftHeads.from_pretrained(heads_dir, target, device=device, dtype=torch.float32)
     except (ConfigError, FileNotFoundError, HeadsMismatchError) as e:
@@ -228,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"heads": str(heads_dir), "dataset": str(cfg.data.dataset), "split": args.split,
                 "rows": rows, "max_reply_tokens": args.max_reply_tokens}
-        atomic_write(out, lambda tmp: Path(tmp).write_text(json.dumps(acceptance | meta, indent=2) + "\n"))
+        atomic_write_text(out, json.dumps(acceptance | meta, indent=2) + "\n")
     return 0
 
 

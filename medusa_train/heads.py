@@ -1,6 +1,6 @@
-"""Draft heads: chained (mlp_speculator block) and parallel (Medusa-1), their save format and export.
+"""Draft heads: chained (residual or mlp_speculator block) and parallel (Medusa-1), their save format and export.
 
-Notation (DESIGN.md): h_t is the target's final post-norm hidden state; head k (1-based) predicts
+Notation (docs/design.md): h_t is the target's final post-norm hidden state; head k (1-based) predicts
 x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
 
 - chained: s_0 = h_t; s_k = block_k(s_{k-1}, embed(x_{t+k})); logits_k = lm_head(s_k), with one of two
@@ -9,8 +9,9 @@ x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
     head starts as the target's own next-token guess and the state keeps the shape the target's LM head
     reads (Hydra-style). On SmolLM2 it learns far faster than the mlp_speculator block with the target's
     frozen LM head, whose GELU output cannot take negative values.
-  - `mlp_speculator`: exactly vLLM's `mlp_speculator` step, so the checkpoint exports to that serving
-    format (`export_mlp_speculator`):
+  - `mlp_speculator`: exactly the step of IBM's MLP speculator, so the checkpoint exports to that format
+    (`export_mlp_speculator`; vLLM served it up to 0.32 and removed it in 0.33, so no current serving engine
+    loads it):
       s = proj_k(s_prev) + (emb_weight / state_weight) * embed(x)
       s = gelu(ln_k(s))                     # ln: RMS-normalise, then elementwise scale and shift
 - parallel: s_k = blocks_k(h_t), each block x + silu(W x + b), zero-initialised so an untrained head
@@ -39,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write, atomic_write_text, is_heads_dir
+
 FORMAT_VERSION = 1
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 FINGERPRINT_ATOL = 2e-3  # cosines move ~1e-5 between fp32/bf16 copies; another model's move ~1/sqrt(d)
 
 
@@ -133,7 +134,7 @@ def check_fingerprint(expected: dict[str, Any], target: nn.Module, target_name: 
 
 
 class SpeculatorNorm(nn.Module):
-    """RMS normalisation with elementwise scale and shift, as vLLM's MLPSpeculatorLayerNorm."""
+    """RMS normalisation with elementwise scale and shift, as the MLP speculator's layer norm."""
 
     def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
         super().__init__()
@@ -429,7 +430,7 @@ class DraftHeads(nn.Module):
         config = asdict(self.spec) | (extra or {})
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write_text(path / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target: nn.Module | None = None,
@@ -438,8 +439,6 @@ class DraftHeads(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(directory)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"{path} is not a heads directory: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
         spec = load_spec(path)
         if target is not None:
             check_fingerprint(spec.target_fingerprint, target, spec.target_name)
@@ -448,7 +447,7 @@ class DraftHeads(nn.Module):
         return heads.to(device=device, dtype=dtype) if (device or dtype) else heads
 
     def export_mlp_speculator(self, directory: str | os.PathLike, target: nn.Module) -> None:
-        """Write a vLLM `mlp_speculator` checkpoint (config.json + model.safetensors).
+        """Write an `mlp_speculator` checkpoint (config.json + model.safetensors), IBM's format (vLLM <= 0.32).
 
         The target's frozen embedding and LM head are copied into every head, as that format keeps one
         per head. Needs chained heads with one layer per head and the full vocabulary.
@@ -479,10 +478,14 @@ class DraftHeads(nn.Module):
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write_text(path / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
 def load_spec(directory: str | os.PathLike) -> HeadsSpec:
+    """The heads' config.json; FileNotFoundError if `directory` is not a heads directory."""
+    if not is_heads_dir(directory):
+        raise FileNotFoundError(f"{directory} is not a heads directory: expected {CONFIG_NAME} and {WEIGHTS_NAME} "
+                                "(written by train.py)")
     raw = json.loads((Path(directory) / CONFIG_NAME).read_text())
     if raw.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{directory} was written by a newer medusa-train (format {raw['format_version']})")
@@ -492,14 +495,3 @@ def load_spec(directory: str | os.PathLike) -> HeadsSpec:
         raise ValueError(f"{Path(directory) / CONFIG_NAME} is not a draft heads config (no {', '.join(missing)}): "
                          "is this a model directory? Name the directory train.py wrote the heads to")
     return HeadsSpec(**{k: v for k, v in raw.items() if k in names})
-
-
-def atomic_write(final: Path, write) -> None:
-    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

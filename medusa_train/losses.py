@@ -1,6 +1,6 @@
 """Per-head losses: KL to the target's own distribution (soft labels) and cross-entropy to the data.
 
-Indexing (0-based head k, DESIGN.md's head k+1): head k's state at position t has read x_{t+1}..x_{t+1+k}
+Indexing (0-based head k, the docs' head k+1; docs/design.md): head k's state at position t has read x_{t+1}..x_{t+1+k}
 and guesses x_{t+2+k}. It is scored against
   - the data token x_{t+2+k} (cross-entropy, `loss.ce_weight`), and
   - the target's distribution at position t+1+k, which is the target's own guess for x_{t+2+k}
@@ -148,18 +148,17 @@ class FusedHeadLoss(torch.autograd.Function):
                 None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
 
 
-def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, input_ids: torch.Tensor,
-                        labels: torch.Tensor, attention_mask: torch.Tensor | None, lm_head: nn.Module | None,
-                        cfg: LossConfig, greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, greedy: torch.Tensor,
+                        input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                        lm_head: nn.Module | None, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Total loss (a scalar) and per-head statistics [K, len(STATS)] (sums; see `STATS`).
 
-    states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states;
-    `lm_head` the target's frozen LM head (the teacher, and the heads' scorer unless they own one).
-    Positions are processed in chunks of about `cfg.chunk_size` (over B x T); within a chunk the teacher's
-    logits are computed once and shared by all heads, and each head's vocab-sized tensors exist only
-    inside its `FusedHeadLoss` call. `greedy` [B, T], the target's greedy token at each position (as
-    `greedy_tokens` gives; the trainer keeps it with its hidden-state cache), lets a draft vocabulary's
-    teacher score only its own columns: the full-vocab logits then serve no purpose.
+    states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states and greedy
+    [B, T] its greedy token at every position (both from `TargetStates`); `lm_head` the target's frozen LM head
+    (the teacher, and the heads' scorer unless they own one). Positions are processed in chunks of about
+    `cfg.chunk_size` (over B x T); within a chunk the teacher's logits are computed once, over the heads'
+    scored vocabulary only (a draft vocabulary's columns), and shared by all heads; each head's vocab-sized
+    tensors exist only inside its `FusedHeadLoss` call. Accuracies compare against the greedy tokens.
     """
     K, B, T, d = states.shape
     target_ids, valid = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]
@@ -167,38 +166,30 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     counts = valid.sum(dim=(1, 2)).float()  # [K]; stays on device
     decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
     pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
-    h_next = shift_left(h, 1, 0.0)  # h_next[:, u] = h[:, u+1]
-    h_next = torch.cat([h_next, h_next.new_zeros(B, K, d)], dim=1)  # room for the last chunk's heads
+    # position u of these holds u+1's: the target's state and greedy token one ahead, padded for the last
+    # chunk's heads (head k at position t reads the teacher at t+1+k)
+    h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, d)], dim=1)
+    greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
     shared = heads.lm_heads is None  # every head scores with the target's LM head: gather its rows once
     weights = [heads.scoring_weight(0, lm_head)] * K if shared else [heads.scoring_weight(k, lm_head) for k in range(K)]
-    draft_only = greedy is not None and bool(heads.spec.draft_vocab_size)
-    if greedy is not None:  # greedy_next[:, u] = greedy[:, u+1], padded like h_next
-        greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
-    if draft_only:  # the teacher's draft columns: the LM head's rows of the draft vocabulary
+    # the teacher's rows: the target's LM head over the heads' scored vocabulary (None: all of it, as is)
+    teacher_w = teacher_b = None
+    if heads.spec.draft_vocab_size:
         teacher_w = weights[0] if shared else lm_head.weight[heads.draft_ids]
         teacher_b = None if getattr(lm_head, "bias", None) is None else lm_head.bias[heads.draft_ids]
 
-    full_teacher = greedy is None or (cfg.distill_weight > 0 and not draft_only)
-    # sized by the heads' vocabulary: a full-vocab teacher over a draft vocabulary's chunk may exceed the cap,
-    # but it is one tensor per chunk, while the heads' passes are many (smaller chunks ran slower overall)
     step = chunk_positions(cfg.chunk_size, B, heads.spec.scored_vocab, states.device)
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
     for a in range(0, T, step):
         b = min(a + step, T)
         c = b - a
-        teacher_logp = teacher = None
-        if full_teacher:
-            teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1])  # [B, c+K-1, V], no grad
-        # the target's greedy token at each position (as a target id), for the accuracies
-        teacher_top = teacher.argmax(-1) if greedy is None else greedy_next[:, a:b + K - 1]
-        if cfg.distill_weight > 0:  # soft labels, renormalised over the draft vocabulary if there is one
-            if draft_only:
-                teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], teacher_w, teacher_b)  # [B, c+K-1, V']
-            elif heads.spec.draft_vocab_size:
-                teacher = teacher[..., heads.draft_ids]
+        teacher_logp = None
+        if cfg.distill_weight > 0:  # soft labels, normalised over the scored vocabulary
+            teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], teacher_w, teacher_b)  # [B, c+K-1, V']
             teacher_logp = torch.log_softmax(teacher, dim=-1)
-        del teacher
+            del teacher
+        teacher_top = greedy_next[:, a:b + K - 1]  # the target's greedy token (a target id), for the accuracies
         for k in range(K):
             w = weights[k]
             s = states[k, :, a:b].reshape(B * c, d).to(w.dtype)
@@ -235,15 +226,15 @@ class HeadsObjective(nn.Module):
         self.heads = heads
         self.cfg = cfg
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module,
-                greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, stats [K, len(STATS)]) for a batch whose target hidden states are h [B, T, d] (and, if
-        known, whose target greedy tokens are `greedy` [B, T]: see `chunked_head_losses`)."""
+    def forward(self, h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, stats [K, len(STATS)]) for a batch whose target hidden states are h [B, T, d] and whose
+        target greedy tokens are `greedy` [B, T] (`TargetStates`)."""
         dtype = next(self.heads.parameters()).dtype
         states = self.heads(h.to(dtype), input_ids, embed)  # [K, B, T, d]
-        return chunked_head_losses(self.heads, states, h, input_ids, labels, attention_mask, lm_head, self.cfg,
-                                   greedy)
+        return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,
+                                   self.cfg)
 
 
 def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:

@@ -22,9 +22,16 @@ class TargetLoadError(ConfigError):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def default_device(device: torch.device | str | None = None) -> torch.device:
+    """`device`, or by default CUDA when available, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """`target.dtype` -> torch dtype. `auto`: bfloat16 on a GPU that supports it, else float32."""
     if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
         return _DTYPES[name]
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -92,6 +99,15 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
                 dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
     """(model, tokenizer): the frozen target (see `load_model`) and its tokenizer."""
     return load_model(cfg, device, dtype), load_tokenizer(cfg)
+
+
+def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
+    """The ids that end generation, as `model.generate` stops: its generation config's EOS (an id or a list),
+    else the tokenizer's EOS token."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 @torch.no_grad()

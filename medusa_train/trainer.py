@@ -1,11 +1,13 @@
 """The training loop: an explicit Accelerate loop over a frozen target and trainable draft heads.
 
-    for each micro-batch:
-        h = target_hidden(target, batch)                 # frozen, no_grad            [B, T, d]
-        loss, stats = objective(h, batch, embed, lm_head) # heads + chunked KL/CE      (only heads learn)
-        backward; on a sync step: clip, optimizer step, lr schedule, zero grads
-        every log_every steps: reduce stats across processes, one host sync, log
-        every eval.every steps: held-out eval; every save_every steps: atomic checkpoint
+    run = setup(cfg)           # accelerator, data, target, heads, optimizer, schedule, resume
+    train_loop(run)            # for each micro-batch:
+                               #   h, greedy = run.states(batch)      frozen target (or its cache), no grad
+                               #   loss = objective(h, greedy, ...)   heads + chunked KL/CE (only heads learn)
+                               #   backward; on a sync step: clip, optimizer step, lr schedule
+                               #   every log_every steps: reduce metrics across processes, one host sync, log
+                               #   every eval.every steps: held-out eval; every save_every: atomic checkpoint
+    finish(run)                # final eval, heads, recipe.yaml, acceptance.json
 
 Outputs in `output_dir`: the heads (`config.json` + `model.safetensors`), `recipe.yaml` (the resolved
 config), `acceptance.json` (per-head top-k acceptance, read by the inference engine), `metrics.jsonl`
@@ -15,15 +17,13 @@ config), `acceptance.json` (per-head top-k acceptance, read by the inference eng
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
 import shutil
 import signal
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,10 @@ from torch.utils.data import DataLoader
 from .config import Config, ConfigError
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
-from .heads import DraftHeads, atomic_write, fingerprint_difference, target_fingerprint
-from .losses import STATS, HeadsObjective, greedy_tokens, summarize
-from .target import load_model, load_tokenizer, target_hidden
+from .heads import DraftHeads, target_fingerprint
+from .losses import STATS, HeadsObjective, summarize
+from .target import load_model, load_tokenizer
+from .target_states import TargetStates
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
@@ -153,113 +154,71 @@ def full_params(accelerator, model):
     return contextlib.nullcontext()
 
 
-class HiddenCache:
-    """The frozen target's hidden states per training row, kept on the CPU (`train.cache_hidden`).
-
-    The target never changes, so h for a row is the same every epoch: after the first, a batch whose rows
-    are all cached skips the target forward (the dominant cost when heads are small). Rows are keyed by
-    their token ids, so with `directory` (`train.hidden_cache_dir`) a later run on other heads reuses them:
-    each `flush` writes the rows computed since the last one as a new shard file, atomically.
-    """
-
-    META = "meta.json"
-
-    def __init__(self, directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
-                 rank: int = 0, dtype: torch.dtype = torch.float32) -> None:
-        self.rows: dict[bytes, torch.Tensor] = {}
-        self.greedy_rows: dict[bytes, torch.Tensor] = {}  # in memory only: cheap to recompute from rows
-        self.new: list[bytes] = []
-        self.dir = Path(directory) if directory else None
-        self.rank = rank
-        if self.dir is not None:
-            self._open(fingerprint or {}, str(dtype).removeprefix("torch."))
-
-    @staticmethod
-    def key(ids: torch.Tensor) -> bytes:
-        return hashlib.sha1(ids.to(torch.int64).cpu().numpy().tobytes()).digest()
-
-    def _open(self, fingerprint: dict[str, Any], dtype: str) -> None:
-        """Check (or write) meta.json: the target's fingerprint and the dtype of the forward that made the rows."""
-        meta = self.dir / self.META
-        if meta.is_file():
-            saved = json.loads(meta.read_text())
-            diff = fingerprint_difference(saved.get("target_fingerprint", {}), fingerprint)
-            if diff is not None:
-                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
-                                  f"({diff}): point it at a new directory, or delete this one")
-            saved_dtype = saved.get("dtype", "float32")  # caches written before the key existed were float32
-            if saved_dtype != dtype:
-                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved_dtype} "
-                                  f"forward, but this run's target forward is {dtype}: set target.forward_dtype="
-                                  f"{saved_dtype} (or target.dtype), or point it at a new directory")
-        else:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # several ranks may race here; every one writes the same content
-            atomic_write(meta, lambda tmp: Path(tmp).write_text(
-                json.dumps({"target_fingerprint": fingerprint, "dtype": dtype})))
-        for shard in sorted(self.dir.glob("shard-*.pt")):
-            self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
-
-    def hidden(self, target: torch.nn.Module, batch: dict[str, torch.Tensor], lm_head: torch.nn.Module
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end).
-
-        h comes from the cache where it can; the target runs on the rows it has not seen only. Greedy tokens
-        are kept per row in memory (not on disk: cheap to recompute from h), so a row pays the full-vocab LM
-        head once per run, not once per epoch: with them the loss scores a draft vocabulary's columns only
-        (`chunked_head_losses`)."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
-        keys = [self.key(ids[b, :n]) for b, n in enumerate(lengths)]
-        missing = [b for b, k in enumerate(keys) if k not in self.rows]
-        if len(missing) == len(keys):
-            h = target_hidden(target, ids, mask)
-        else:  # new data added to a cached set: the target runs on the new rows only
-            like = next(iter(self.rows.values()))
-            h = torch.zeros(ids.shape[0], ids.shape[1], like.shape[-1], dtype=like.dtype)
-            for b, k in enumerate(keys):
-                if k in self.rows:
-                    h[b, :lengths[b]] = self.rows[k]
-            h = h.to(ids.device, non_blocking=True)
-            if missing:
-                rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
-                h[rows, :n] = target_hidden(target, ids[rows, :n], mask[rows, :n]).to(like.dtype)
-        for b in missing:
-            k = keys[b]
-            if k not in self.rows:  # a batch may hold the same row twice
-                self.rows[k] = h[b, :lengths[b]].detach().to("cpu", copy=True)
-                if self.dir is not None:  # only rows to be written by the next flush
-                    self.new.append(k)
-
-        no_greedy = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
-        if no_greedy:
-            fresh = greedy_tokens(lm_head, h[no_greedy])
-            for i, b in enumerate(no_greedy):
-                self.greedy_rows[keys[b]] = fresh[i, :lengths[b]].to("cpu", copy=True)
-        greedy = torch.zeros(ids.shape, dtype=torch.long)
-        for b, k in enumerate(keys):
-            greedy[b, :lengths[b]] = self.greedy_rows[k]
-        return h, greedy.to(ids.device, non_blocking=True)
-
-    def flush(self) -> None:
-        """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
-        if self.dir is None or not self.new:
-            return
-        final = self.dir / f"shard-{time.strftime('%Y%m%d-%H%M%S')}-r{self.rank}-{uuid.uuid4().hex[:8]}.pt"
-        atomic_write(final, lambda tmp: torch.save({k: self.rows[k] for k in self.new}, tmp))
-        self.new = []
+def all_agree_to_stop(accelerator, requested: bool) -> bool:
+    """Whether any process was asked to stop: every process must stop at the same step (signals may arrive at
+    different steps)."""
+    if accelerator.num_processes == 1:
+        return requested
+    flag = torch.tensor(float(requested), device=accelerator.device)
+    return bool(accelerator.reduce(flag, "max") > 0)
 
 
-def append_metrics(output_dir: str | os.PathLike, row: dict[str, Any]) -> None:
-    with open(Path(output_dir) / METRICS_NAME, "a") as f:
-        f.write(json.dumps(row) + "\n")
+def log_row(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:
+    """Send a row to the tracker and append it to metrics.jsonl (main process only)."""
+    accelerator.log(row, step=step)
+    if accelerator.is_main_process:
+        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+def wandb_offline() -> bool:
+    """W&B runs offline when neither WANDB_API_KEY nor WANDB_MODE is set."""
+    return not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE")
+
+
+class Meter:
+    """Training metrics since the last log, kept on device so that a step makes no host sync; `row` reduces
+    them across processes and reads them with one transfer."""
+
+    def __init__(self, num_heads: int, device: torch.device) -> None:
+        self.stats = torch.zeros(num_heads, len(STATS), device=device)  # summed per-head stats (losses.STATS)
+        self.loss = torch.zeros((), device=device)
+        self.tokens = torch.zeros((), device=device, dtype=torch.long)
+        self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step
+        self.micro_steps = 0
+        self.restart_clock()
+
+    def add(self, loss: torch.Tensor, stats: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.stats += stats.detach()
+        self.loss += loss.detach()
+        self.tokens += attention_mask.sum()
+        self.micro_steps += 1
+
+    def restart_clock(self) -> None:
+        """tokens/s measures training only: restart after evaluating or saving."""
+        self.t0 = time.perf_counter()
+
+    def row(self, accelerator, cfg: Config, position: dict[str, int], lr: float) -> dict[str, float]:
+        """The metrics row of this log step (adds the tokens seen to `position`), then start over."""
+        stats = accelerator.reduce(self.stats, "sum")
+        loss = accelerator.reduce(self.loss, "sum") / (self.micro_steps * accelerator.num_processes)
+        tokens = int(accelerator.reduce(self.tokens, "sum"))  # the host sync
+        position["tokens"] += tokens
+        row = {f"train/{k}": v for k, v in summarize(stats, cfg.loss).items()}
+        row.update({"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(self.grad_norm),
+                    "train/tokens_per_s": tokens / (time.perf_counter() - self.t0),
+                    "train/epoch": position["epoch"], "train/tokens": position["tokens"]})
+        self.stats.zero_(), self.loss.zero_(), self.tokens.zero_()
+        self.micro_steps = 0
+        self.restart_clock()
+        return row
 
 
 # ---------------------------------------------------------------------------------------------------
-# Setup steps
+# Setup
 
 
-def _setup_accelerator(cfg: Config):
+def setup_accelerator(cfg: Config):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
@@ -276,11 +235,11 @@ def _setup_accelerator(cfg: Config):
     )
 
 
-def _setup_tracking(accelerator, cfg: Config) -> None:
+def setup_tracking(accelerator, cfg: Config) -> None:
     """Start the W&B tracker (offline when there is neither WANDB_API_KEY nor WANDB_MODE)."""
     if cfg.tracking.backend != "wandb":
         return
-    offline = not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE")
+    offline = wandb_offline()
     kwargs: dict[str, Any] = {"dir": str(Path(cfg.output_dir).resolve())}
     if cfg.tracking.run_name:
         kwargs["name"] = cfg.tracking.run_name
@@ -294,7 +253,8 @@ def _setup_tracking(accelerator, cfg: Config) -> None:
         accelerator.print(f"wandb: offline run in {run_dir} (no WANDB_API_KEY); upload it with: wandb sync {run_dir}")
 
 
-def _setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
+def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
+    """Fresh heads for `target` per `cfg.heads` (a draft vocabulary drawn from `train_ds`), or warm-started ones."""
     h = cfg.heads
     if h.init_from:
         return _warm_start_heads(cfg, target)
@@ -327,7 +287,7 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
     return heads.to(target.device)
 
 
-def _setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.nn.Module:
+def setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.nn.Module:
     """The model whose forward gives h in training: the target itself, or (target.forward_dtype) a second
     frozen copy in another dtype."""
     if cfg.target.forward_dtype == "same":
@@ -338,7 +298,7 @@ def _setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch
     return load_model(cfg.target, device, dtype)
 
 
-def _setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
+def setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
     per_process = cfg.train.batch_size // accelerator.num_processes
     fn = partial(collate, pad_token_id=pad_token_id)
     train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
@@ -346,45 +306,64 @@ def _setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id
     return train_dl, eval_dl
 
 
-# ---------------------------------------------------------------------------------------------------
-# The loop
+@dataclass
+class Run:
+    """Everything the loop reads, built once by `setup`. `position` is where training stands (the part of a
+    checkpoint that is not Accelerate's state)."""
+
+    cfg: Config
+    accelerator: Any
+    target: torch.nn.Module
+    states: TargetStates  # (h, greedy) per batch: the frozen target's forward, or its cache
+    heads: DraftHeads  # unwrapped, for eval and saving
+    objective: torch.nn.Module  # heads + loss, as prepared by Accelerate (DDP/FSDP-wrapped)
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    eval_dl: Any | None
+    total_steps: int
+    position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
+                                                              "tokens": 0})
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.target.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.target.get_output_embeddings()
 
 
-def train(cfg: Config) -> TrainResult:
-    """Train heads per `cfg`; the final heads, recipe.yaml and acceptance.json land in `cfg.output_dir`."""
+def setup(cfg: Config) -> Run:
+    """Accelerator, data (its errors surface before the model loads), target, heads, optimizer, schedule, then
+    the newest checkpoint if `cfg.resume` says so."""
     from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
 
-    out = Path(cfg.output_dir)
-    accelerator = _setup_accelerator(cfg)
+    accelerator = setup_accelerator(cfg)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     set_seed(cfg.train.seed)
 
-    # -- target, data, heads -------------------------------------------------------------------------
     tokenizer = load_tokenizer(cfg.target)
     with accelerator.main_process_first():  # the datasets cache is written once, then reused
-        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)  # data errors surface before the model loads
+        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
     accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
                       f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
     target = load_model(cfg.target, accelerator.device)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    forward_target = _setup_forward_target(cfg, target, accelerator.device)
-    heads = _setup_heads(cfg, target, train_ds)
+    forward_target = setup_forward_target(cfg, target, accelerator.device)
+    heads = setup_heads(cfg, target, train_ds)
     n_params = sum(p.numel() for p in heads.parameters())
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
                       f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
+    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
+                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index)
+    if states.rows:
+        accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 
     objective = HeadsObjective(heads, cfg.loss)
     optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
-    cache = None
-    if cfg.train.cache_hidden or cfg.train.hidden_cache_dir:
-        cache = HiddenCache(cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
-                            forward_target.dtype)
-        if cache.rows:
-            accelerator.print(f"hidden cache: {len(cache.rows)} rows read from {cfg.train.hidden_cache_dir}")
-    train_dl, eval_dl = _setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
+    train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
     total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
@@ -394,138 +373,144 @@ def train(cfg: Config) -> TrainResult:
     objective, optimizer, train_dl, scheduler = accelerator.prepare(objective, optimizer, train_dl, scheduler)
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
-    _setup_tracking(accelerator, cfg)
+    setup_tracking(accelerator, cfg)
+    run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
+              scheduler, train_dl, eval_dl, total_steps)
+    resume(run)
+    return run
 
-    # -- resume ----------------------------------------------------------------------------------------
-    position = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0}
-    ckpt = None if cfg.resume == "none" else latest_checkpoint(out) if cfg.resume == "auto" else Path(cfg.resume)
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt))  # heads, optimizer, scheduler, sampler, RNG
-        position = json.loads((ckpt / TRAINER_STATE).read_text())
-        accelerator.print(f"resumed from {ckpt} at step {position['step']} "
-                          f"(epoch {position['epoch']}, batch {position['batch_in_epoch']})")
 
-    # -- loop ------------------------------------------------------------------------------------------
-    unwrapped = accelerator.unwrap_model(objective).heads
-    K = cfg.heads.num_heads
-    stats = torch.zeros(K, len(STATS), device=accelerator.device)  # summed per-head stats since the last log
-    loss_sum = torch.zeros((), device=accelerator.device)
-    tokens = torch.zeros((), device=accelerator.device, dtype=torch.long)
-    micro_steps = 0
-    grad_norm = torch.zeros((), device=accelerator.device)
-    bar = tqdm(total=total_steps, initial=position["step"], disable=not accelerator.is_local_main_process,
+def resume(run: Run) -> None:
+    """Restore heads, optimizer, scheduler, sampler and RNG from the checkpoint `cfg.resume` names (`auto`: the
+    newest complete one, if any), and the data position."""
+    cfg = run.cfg
+    ckpt = None if cfg.resume == "none" else latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" \
+        else Path(cfg.resume)
+    if ckpt is None:
+        return
+    run.accelerator.load_state(str(ckpt))
+    run.position = json.loads((ckpt / TRAINER_STATE).read_text())
+    p = run.position
+    run.accelerator.print(f"resumed from {ckpt} at step {p['step']} (epoch {p['epoch']}, batch {p['batch_in_epoch']})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+
+
+def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> None:
+    """Forward and backward of one micro-batch; on a sync step also clip and step the optimizer."""
+    accelerator = run.accelerator
+    with accelerator.accumulate(run.objective):
+        h, greedy = run.states(batch)  # no grad; read from the cache after the first epoch when it is on
+        h = h.to(run.embed.weight.dtype)  # a no-op unless target.forward_dtype differs
+        loss, stats = run.objective(h, greedy, batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                    run.embed, run.lm_head)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            meter.grad_norm = accelerator.clip_grad_norm_(run.objective.parameters(),
+                                                          run.cfg.train.max_grad_norm or float("inf"))
+        run.optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
+        run.optimizer.zero_grad(set_to_none=True)
+    meter.add(loss, stats, batch["attention_mask"])
+
+
+def train_loop(run: Run) -> bool:
+    """Optimizer steps until `total_steps` or a stop signal; returns True when a signal stopped the run (after
+    saving a checkpoint)."""
+    from tqdm.auto import tqdm
+
+    cfg, accelerator, position = run.cfg, run.accelerator, run.position
+    meter = Meter(cfg.heads.num_heads, accelerator.device)
+    bar = tqdm(total=run.total_steps, initial=position["step"], disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
-    t_log = time.perf_counter()
-    objective.train()
+    run.objective.train()
     with StopRequest() as stop:
-        while position["step"] < total_steps and not stop.requested:
-            train_dl.set_epoch(position["epoch"])
+        while position["step"] < run.total_steps and not stop.requested:
+            run.train_dl.set_epoch(position["epoch"])
             skip = position["batch_in_epoch"]
-            batches = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
-            for batch in batches:
-                with accelerator.accumulate(objective):
-                    ids, mask = batch["input_ids"], batch["attention_mask"]
-                    # h [B, T, d] and (with the cache) greedy tokens, no grad; cached after the first epoch
-                    h, greedy = cache.hidden(forward_target, batch, lm_head) if cache is not None else \
-                        (target_hidden(forward_target, ids, mask), None)
-                    h = h.to(embed.weight.dtype)  # a no-op unless target.forward_dtype differs
-                    loss, batch_stats = objective(h, ids, batch["labels"], mask, embed, lm_head, greedy)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(objective.parameters(),
-                                                                cfg.train.max_grad_norm or float("inf"))
-                    optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
-                    optimizer.zero_grad(set_to_none=True)
+            for batch in accelerator.skip_first_batches(run.train_dl, skip) if skip else run.train_dl:
+                micro_step(run, batch, meter)
                 position["batch_in_epoch"] += 1
-                stats += batch_stats.detach()
-                loss_sum += loss.detach()
-                tokens += mask.sum()
-                micro_steps += 1
                 if not accelerator.sync_gradients:
                     continue
-
-                # -- one optimizer step done ----------------------------------------------------------
-                scheduler.step()
+                # -- one optimizer step done ----------------------------------------------------------------
+                run.scheduler.step()
                 position["step"] += 1
-                step = position["step"]
+                step, last = position["step"], position["step"] >= run.total_steps
                 bar.update(1)
-                last = step >= total_steps
                 if step % cfg.train.log_every == 0 or last:
-                    # the only host sync of the step: reduce on device, then one transfer
-                    g_stats = accelerator.reduce(stats, "sum")
-                    g_loss = accelerator.reduce(loss_sum, "sum") / (micro_steps * accelerator.num_processes)
-                    g_tokens = accelerator.reduce(tokens, "sum")
-                    now = time.perf_counter()
-                    position["tokens"] += int(g_tokens)
-                    row = {f"train/{k}": v for k, v in summarize(g_stats, cfg.loss).items()}
-                    row.update({"train/loss": float(g_loss), "train/lr": scheduler.get_last_lr()[0],
-                                "train/grad_norm": float(grad_norm),
-                                "train/tokens_per_s": int(g_tokens) / (now - t_log),
-                                "train/epoch": position["epoch"], "train/tokens": position["tokens"]})
-                    _log(accelerator, cfg, step, row)
+                    row = meter.row(accelerator, cfg, position, run.scheduler.get_last_lr()[0])
+                    log_row(accelerator, cfg, step, row)
                     bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",
                                     tok_s=f"{row['train/tokens_per_s']:.0f}")
-                    stats.zero_(), loss_sum.zero_(), tokens.zero_()
-                    micro_steps = 0
-                    t_log = time.perf_counter()
-                if eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
-                    with full_params(accelerator, objective):
-                        metrics, _ = evaluate(unwrapped, target, eval_dl, cfg.loss, cfg.eval.max_batches, accelerator)
-                    _log(accelerator, cfg, step, {f"eval/{k}": v for k, v in metrics.items()})
-                    objective.train()
-                    t_log = time.perf_counter()
-                if accelerator.num_processes > 1:
-                    # every process must agree to stop at the same step (signals may arrive at different steps)
-                    flag = torch.tensor(float(stop.requested), device=accelerator.device)
-                    stop.requested = bool(accelerator.reduce(flag, "max") > 0)
+                if run.eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
+                    metrics, _ = evaluate_heads(run, run.eval_dl)
+                    log_row(accelerator, cfg, step, {f"eval/{k}": v for k, v in metrics.items()})
+                    run.objective.train()
+                    meter.restart_clock()
+                stop.requested = all_agree_to_stop(accelerator, stop.requested)
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
                     save_checkpoint(accelerator, cfg, position)
-                    t_log = time.perf_counter()  # tokens/s measures training, not saving
+                    meter.restart_clock()
                 if last or stop.requested:
                     break
             else:  # the epoch ran out
-                if cache is not None:
-                    cache.flush()
+                run.states.flush()
                 position["epoch"] += 1
                 position["batch_in_epoch"] = 0
     bar.close()
-    if cache is not None:
-        cache.flush()
+    run.states.flush()
+    return stop.requested
 
-    if stop.requested:
+
+# ---------------------------------------------------------------------------------------------------
+# Finish
+
+
+def evaluate_heads(run: Run, batches) -> tuple[dict[str, float], dict[str, Any]]:
+    """Held-out metrics and acceptance of the heads as they are (FSDP gathers their shards first)."""
+    with full_params(run.accelerator, run.objective):
+        return evaluate(run.heads, run.target, batches, run.cfg.loss, run.cfg.eval.max_batches, run.accelerator)
+
+
+def finish(run: Run, stopped: bool) -> TrainResult:
+    """After the loop: a stopped run says how to resume; a finished one writes the final heads, recipe.yaml and
+    acceptance.json (measured on the held-out split, else on training batches)."""
+    cfg, accelerator, position = run.cfg, run.accelerator, run.position
+    out = Path(cfg.output_dir)
+    if stopped:
         accelerator.print(f"stopped at step {position['step']}; resume with resume=auto (the default)")
         accelerator.end_training()
-        return TrainResult(out, position["step"], True, unwrapped, target, None)
+        return TrainResult(out, position["step"], True, run.heads, run.target, None)
 
-    # -- final heads, recipe and acceptance ----------------------------------------------------------------
-    split, batches = ("eval", eval_dl) if eval_dl is not None else ("train", train_dl)
-    if eval_dl is None:
+    split, batches = ("eval", run.eval_dl) if run.eval_dl is not None else ("train", run.train_dl)
+    if run.eval_dl is None:
         accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
-    with full_params(accelerator, objective):
-        metrics, acceptance = evaluate(unwrapped, target, batches, cfg.loss, cfg.eval.max_batches, accelerator)
-        if accelerator.is_main_process:
-            training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
-            if cfg.heads.init_from:
-                training["init_from"] = str(cfg.heads.init_from)
-            unwrapped.save_pretrained(out, extra={"training": training})
+    metrics, acceptance = evaluate_heads(run, batches)
+    if accelerator.is_main_process:
+        training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
+        if cfg.heads.init_from:
+            training["init_from"] = str(cfg.heads.init_from)
+        with full_params(accelerator, run.objective):
+            run.heads.save_pretrained(out, extra={"training": training})
     prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
-    _log(accelerator, cfg, position["step"], {f"{prefix}/{k}": v for k, v in metrics.items()})
+    log_row(accelerator, cfg, position["step"], {f"{prefix}/{k}": v for k, v in metrics.items()})
     if accelerator.is_main_process:
         (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         save_acceptance(out, acceptance, split)
         accelerator.print(f"heads saved to {out} (expected tau of a chain: {acceptance['expected_tau']:.3f})")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if cfg.tracking.backend == "wandb" and accelerator.is_main_process and not os.environ.get("WANDB_API_KEY") \
-            and not os.environ.get("WANDB_MODE"):
+    if cfg.tracking.backend == "wandb" and accelerator.is_main_process and wandb_offline():
         runs = sorted((out / "wandb").glob("offline-run-*"))
         if runs:
             accelerator.print(f"wandb: to upload this run: wandb sync {runs[-1]}")
-    return TrainResult(out, position["step"], False, unwrapped, target, acceptance)
+    return TrainResult(out, position["step"], False, run.heads, run.target, acceptance)
 
 
-def _log(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:
-    """Send a row to the tracker and append it to metrics.jsonl (main process only)."""
-    accelerator.log(row, step=step)
-    if accelerator.is_main_process:
-        append_metrics(cfg.output_dir, {"step": step, **row})
+def train(cfg: Config) -> TrainResult:
+    """Train heads per `cfg`; the final heads, recipe.yaml and acceptance.json land in `cfg.output_dir`."""
+    run = setup(cfg)
+    stopped = train_loop(run)
+    return finish(run, stopped)

@@ -106,14 +106,14 @@ def test_training_moves_every_context_parameter(ws, monkeypatch):  # noqa: F811
     import medusa_train.trainer as trainer
 
     initial = {}
-    setup = trainer._setup_heads
+    setup = trainer.setup_heads
 
     def recording(*a, **kw):
         heads = setup(*a, **kw)
         initial.update({n: p.detach().clone() for n, p in heads.named_parameters()})
         return heads
 
-    monkeypatch.setattr(trainer, "_setup_heads", recording)
+    monkeypatch.setattr(trainer, "setup_heads", recording)
     cfg = config(ws, "ctx", "heads.context_layers=1", "train.max_steps=8", "eval.every=0")
     result = train(cfg)
     trained = dict(result.heads.named_parameters())

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from medusa_train.chat import IGNORE_INDEX, tokenize_chat
 from medusa_train.config import Config, ConfigError, DataConfig, TrainConfig
-from medusa_train.data import (IGNORE_INDEX, DataError, build_datasets, chat_messages, collate, detect_format,
-                               dry_run_report, load_raw, prompt_of, rows_to_messages, select_draft_vocab,
-                               token_counts, tokenize_chat)
+from medusa_train.data import build_datasets, collate, dry_run_report, load_raw, select_draft_vocab, token_counts
+from medusa_train.errors import DataError
+from medusa_train.formats import chat_messages, detect_format, prompt_of, rows_to_messages
 from tiny import tiny_tokenizer
 
 EOT = "<|im_end|>"

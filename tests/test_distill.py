@@ -105,7 +105,7 @@ def test_ranks_write_parts_that_merge_into_one_file(tmp_path):
         D.distill(model, tok, PROMPTS, out, max_new_tokens=3, batch_size=2, rank=rank, world_size=2,
                   progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl.rank0", "d.jsonl.rank1"]
-    assert D.read_done_ids(out) == {p.id for p in PROMPTS}
+    assert D.read_done(out)[0] == {p.id for p in PROMPTS}
     assert D.merge_parts(out) == len(PROMPTS)
     assert sorted(r["id"] for r in rows(out)) == sorted(p.id for p in PROMPTS)
     assert not list(tmp_path.glob("*.rank*"))
@@ -183,7 +183,7 @@ def test_rows_with_unicode_line_separators_stay_whole(tmp_path):
     row = {"id": "p0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]}
     row1 = {**row, "id": "p1"}
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in (row, row1)), encoding="utf-8")
-    assert D.read_done_ids(out) == {"p0", "p1"}
+    assert D.read_done(out)[0] == {"p0", "p1"}
     part = tmp_path / "e.jsonl"
     (tmp_path / "e.jsonl.rank1").write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
     assert D.merge_parts(part) == 1 and [r["messages"][1]["content"] for r in rows(part)] == [reply]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from medusa_train.config import _looks_local, load_config
+from medusa_train.config import load_config
+from medusa_train.files import looks_local
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -28,10 +29,10 @@ def test_recipe_validates(path: Path, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes name repository-relative files (chat templates)
     raw = yaml.safe_load(path.read_text())
     overrides = []
-    if _looks_local(raw["target"]["model"]):
+    if looks_local(raw["target"]["model"]):
         (tmp_path / "model").mkdir()
         overrides.append(f"target.model={tmp_path / 'model'}")
-    if _looks_local(raw["data"]["dataset"]):
+    if looks_local(raw["data"]["dataset"]):
         (tmp_path / "data.jsonl").write_text('{"text": "x"}\n')
         overrides.append(f"data.dataset={tmp_path / 'data.jsonl'}")
     cfg = load_config(path, overrides, world_size=1)
@@ -52,7 +53,7 @@ def test_gpu_recipe_opens_with_its_launch_command_and_an_override(name: str):
     assert any("accelerate launch" in c and f"train.py recipes/{name}" in c for c in commands)
     assert any(re.search(r"\b[a-z_]+\.[a-z_]+=\S+", h) for h in header), "no example key=value override"
     cfg = yaml.safe_load(text)
-    assert not _looks_local(cfg["target"]["model"])  # a hub name, loaded only on the GPU machine
+    assert not looks_local(cfg["target"]["model"])  # a hub name, loaded only on the GPU machine
 
 
 @pytest.mark.parametrize("name, kind", [("single_gpu", "NO"), ("multi_gpu_ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
@@ -68,7 +69,7 @@ def test_vicuna_template_supervises_exactly_the_replies():
     """The recipe's own chat template for Vicuna (whose tokenizer has none), through the data pipeline."""
     from tiny import tiny_tokenizer
 
-    from medusa_train.data import tokenize_chat
+    from medusa_train.chat import tokenize_chat
 
     tok = tiny_tokenizer()
     tok.chat_template = (ROOT / "recipes" / "templates" / "vicuna_v1.1.jinja").read_text()

@@ -313,8 +313,7 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     from tiny import tiny_model
 
     from medusa_train.config import LossConfig
-    from medusa_train.losses import HeadsObjective, greedy_tokens
-    from medusa_train.target import target_hidden
+    from medusa_train.losses import HeadsObjective
 
     torch.manual_seed(0)
     target = tiny_model("llama")
@@ -332,14 +331,14 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     cfg = LossConfig(distill_weight=1.0, ce_weight=0.5, decay=0.8)
     ref = naive_loss(heads, target, ids, labels, mask, cfg)
     ref_grads = torch.autograd.grad(ref, list(heads.parameters()))
-    h = target_hidden(target, ids, mask)
+    from medusa_train.target_states import TargetStates
+
+    h, greedy = TargetStates(target, target.get_output_embeddings())({"input_ids": ids, "attention_mask": mask})
     ref_stats = None
-    # with the target's greedy tokens given (the trainer's hidden cache keeps them), a draft vocabulary's
-    # teacher scores only its own columns: same loss, gradients and statistics
-    for chunk, greedy in ((1, None), (4, None), (1000, None), (4, greedy_tokens(target.get_output_embeddings(), h))):
+    for chunk in (1, 4, 1000):
         cfg.chunk_size = chunk
-        loss, stats = HeadsObjective(heads, cfg)(h, ids, labels, mask, target.get_input_embeddings(),
-                                                  target.get_output_embeddings(), greedy)
+        loss, stats = HeadsObjective(heads, cfg)(h, greedy, ids, labels, mask, target.get_input_embeddings(),
+                                                  target.get_output_embeddings())
         grads = torch.autograd.grad(loss, list(heads.parameters()))
         assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
         assert all(torch.allclose(g, r, atol=1e-7, rtol=1e-4) for g, r in zip(grads, ref_grads))
@@ -362,14 +361,36 @@ def test_cpu_chunks_stay_under_the_mmap_threshold():
     assert chunk_positions(1024, 4096, 152064, cpu) == 1  # never less than one position
 
 
-def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
-    """train.cache_hidden reuses the frozen target's h from the first epoch; nothing else may change."""
+def spy_training_forwards(monkeypatch) -> list[tuple[torch.dtype, int]]:
+    """(dtype, rows) of every target forward a training step makes; held-out evaluation's own are not counted."""
+    import medusa_train.target_states as target_states
     import medusa_train.trainer as trainer
 
+    calls: list[tuple[torch.dtype, int]] = []
+    in_eval = [False]
+    real_forward, real_eval = target_states.target_hidden, trainer.evaluate_heads
+
+    def forward(model, ids, *a, **k):
+        if not in_eval[0]:
+            calls.append((next(model.parameters()).dtype, ids.shape[0]))
+        return real_forward(model, ids, *a, **k)
+
+    def evaluate_heads(*a, **k):
+        in_eval[0] = True
+        try:
+            return real_eval(*a, **k)
+        finally:
+            in_eval[0] = False
+
+    monkeypatch.setattr(target_states, "target_hidden", forward)
+    monkeypatch.setattr(trainer, "evaluate_heads", evaluate_heads)
+    return calls
+
+
+def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
+    """train.cache_hidden reuses the frozen target's h from the first epoch; nothing else may change."""
     cfg, _ = run20
-    calls = []
-    real = trainer.target_hidden
-    monkeypatch.setattr(trainer, "target_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy_training_forwards(monkeypatch)
     result = train(config(ws, "cached", "train.max_steps=20", "train.save_every=10", "eval.every=10",
                           "train.cache_hidden=true"))
     assert result.step == 20
@@ -382,7 +403,6 @@ def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
 def test_hidden_cache_dir_is_shared_across_runs(ws, run20, monkeypatch, tmp_path):
     """train.hidden_cache_dir: the first run writes h per row; a second run (other head kind) trains from it
     without one target forward and gets the heads a run without any cache gets; another target is refused."""
-    import medusa_train.trainer as trainer
     from medusa_train.config import ConfigError
 
     cfg, _ = run20
@@ -393,9 +413,7 @@ def test_hidden_cache_dir_is_shared_across_runs(ws, run20, monkeypatch, tmp_path
     shards = sorted(cache_dir.glob("shard-*.pt"))
     assert shards and not list(cache_dir.glob("*.tmp"))
 
-    calls = []
-    real = trainer.target_hidden
-    monkeypatch.setattr(trainer, "target_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy_training_forwards(monkeypatch)
     train(config(ws, "disk2-nocache", "train.max_steps=8", "heads.kind=parallel"))
     n_plain = len(calls)
     calls.clear()
@@ -413,18 +431,14 @@ def test_hidden_cache_dir_is_shared_across_runs(ws, run20, monkeypatch, tmp_path
 def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(ws, run20, monkeypatch, tmp_path):
     """target.forward_dtype=bfloat16: h comes from a bf16 copy of the target, the heads and the loss stay
     float32, the heads still learn (close to the float32 run), and a hidden cache of another dtype is refused."""
-    import medusa_train.trainer as trainer
     from medusa_train.config import ConfigError
 
     cfg, _ = run20
-    seen = []
-    real = trainer.target_hidden
-    monkeypatch.setattr(trainer, "target_hidden",
-                        lambda model, *a, **k: seen.append(next(model.parameters()).dtype) or real(model, *a, **k))
+    calls = spy_training_forwards(monkeypatch)
     cache_dir = tmp_path / "h16"
     result = train(config(ws, "bf16fwd", "train.max_steps=20", "target.forward_dtype=bfloat16",
                           f"train.hidden_cache_dir={cache_dir}"))
-    assert seen and set(seen) == {torch.bfloat16}
+    assert calls and {dtype for dtype, _ in calls} == {torch.bfloat16}
     assert {p.dtype for p in result.heads.parameters()} == {torch.float32}
     assert next(result.target.parameters()).dtype == torch.float32
     assert json.loads((cache_dir / "meta.json").read_text())["dtype"] == "bfloat16"
@@ -439,9 +453,9 @@ def test_forward_dtype_runs_the_target_forward_in_bf16_and_keeps_heads_in_fp32(w
     with pytest.raises(ConfigError, match="forward_dtype=bfloat16"):
         train(config(ws, "bf16fwd-2", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
     # the same target loaded in bf16 is the same target: it trains from those rows without a forward
-    seen.clear()
+    calls.clear()
     train(config(ws, "bf16-all", "train.max_steps=4", "target.dtype=bfloat16", f"train.hidden_cache_dir={cache_dir}"))
-    assert seen == []
+    assert calls == []
 
 
 def test_init_from_starts_from_trained_heads(ws, run20):
@@ -471,18 +485,14 @@ def test_init_from_starts_from_trained_heads(ws, run20):
 def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, tmp_path):
     """Data grown after a cached run: a batch that mixes cached and new rows runs the target on the new rows
     only, and the heads are those of a run without any cache."""
-    import medusa_train.trainer as trainer
-
     cache_dir = tmp_path / "h"
     # 3 batches of 2: the first 6 rows of the data order, so the next run's second batch of 4 is half cached
     train(config(ws, "part", "train.max_steps=3", "train.batch_size=2", f"train.hidden_cache_dir={cache_dir}"))
     before = set(cache_dir.glob("shard-*.pt"))
-    forwarded = []
-    real = trainer.target_hidden
-    monkeypatch.setattr(trainer, "target_hidden", lambda m, ids, *a, **k: forwarded.append(ids.shape[0]) or
-                        real(m, ids, *a, **k))
+    calls = spy_training_forwards(monkeypatch)
     train(config(ws, "grown", "train.max_steps=10", f"train.hidden_cache_dir={cache_dir}"))  # one epoch
-    monkeypatch.setattr(trainer, "target_hidden", real)
+    forwarded = [rows for _, rows in calls]
+    monkeypatch.undo()
     new_rows = sum(len(torch.load(p, weights_only=True)) for p in set(cache_dir.glob("shard-*.pt")) - before)
     assert 0 < sum(forwarded) == new_rows < 40  # each new row once; the 40 rows minus those cached before
     assert any(0 < n < 4 for n in forwarded), forwarded  # mixed batches ran the target on their new rows only

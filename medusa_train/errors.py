@@ -1,0 +1,10 @@
+"""The errors a user can fix. Each message is one line that names the key, flag or file and the fix; every
+CLI turns them into `error: ...` on stderr and exit code 2."""
+
+
+class ConfigError(ValueError):
+    """A recipe, override or command-line argument is invalid. The message names the key."""
+
+
+class DataError(ConfigError):
+    """The dataset cannot be used as configured. The message names `data.dataset` or the key to change."""

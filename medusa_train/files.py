@@ -1,0 +1,64 @@
+"""Files on disk: which local files a dataset name means, and writes that never leave a partial file."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import ConfigError
+
+# a heads directory: what `DraftHeads.save_pretrained` writes
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow")
+
+
+def looks_local(name: str) -> bool:
+    """A name we should find on disk rather than on the hub: explicit paths, data files, globs."""
+    return (name.startswith(("/", "./", "../", "~")) or name.lower().endswith(DATA_SUFFIXES + (".gguf",))
+            or any(c in name for c in "*?[") or os.sep + os.sep in name)
+
+
+def local_data_files(dataset: str) -> list[str] | None:
+    """The files `dataset` names on disk (a file, a directory of data files, or a glob), or None for a
+    hub name. Raises ConfigError when it clearly names local files that are not there."""
+    path = Path(os.path.expanduser(dataset))
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
+        if not files:
+            raise ConfigError(f"data.dataset: directory {dataset} holds no json/jsonl/parquet/txt/csv files")
+        return files
+    if any(c in dataset for c in "*?["):
+        files = sorted(glob.glob(os.path.expanduser(dataset), recursive=True))
+        if not files:
+            raise ConfigError(f"data.dataset: glob {dataset} matches no files")
+        return files
+    if looks_local(dataset):
+        raise ConfigError(f"data.dataset: file not found: {dataset}")
+    return None
+
+
+def is_heads_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` holds trained heads (config.json and model.safetensors)."""
+    return (Path(path) / CONFIG_NAME).is_file() and (Path(path) / WEIGHTS_NAME).is_file()
+
+
+def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> None:
+    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(final: str | os.PathLike, text: str) -> None:
+    """`atomic_write` for a text file."""
+    atomic_write(final, lambda tmp: Path(tmp).write_text(text))
