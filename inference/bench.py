@@ -1,9 +1,8 @@
 """Side-by-side benchmark: plain decoding, transformers' prompt lookup, and our engine with n-gram, bigram,
 parallel (Medusa-1) and chained heads, on the same prompts, greedy, with a fixed `max_new_tokens`.
 
-    python -m inference.bench --target $(python -m medusa_train.prepare) \\
-        --heads runs/smollm2-135m-chained --heads-parallel runs/smollm2-135m-parallel \\
-        --prompts ../shared/data/mt_bench_question.jsonl --max-new-tokens 128 --out results.json --plot bench.png
+    python -m inference.bench --heads runs/demo/heads-chained --heads-parallel runs/demo/heads-parallel \\
+        --prompts question.jsonl --max-new-tokens 128 --out results.json --plot bench.png
 
 Methods (every speedup is over `ar`, measured in the same run):
 - `ar`: the target's plain `generate(do_sample=False)`;
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from inference.generate import parse_tree_budget
 
 ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram")
 
@@ -83,6 +84,14 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
             raise BenchError(str(e).replace("data.dataset", "--prompts")) from None
     texts = texts[::stride]
     return texts[:limit] if limit > 0 else texts
+
+
+def describe_prompts(source: str, n: int, stride: int = 1) -> str:
+    """What the benchmark ran on, in words, for the table, the JSON and the plot's title."""
+    every = f", every {stride}th" if stride > 1 else ""
+    if source == "default":
+        return f"{n} held-out prompts of the offline default pool{every} (medusa_train/prompts.py)"
+    return f"{n} prompts of {Path(source).name}{every}"
 
 
 def render(tokenizer, text: str) -> torch.Tensor:
@@ -373,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  ("--lookup-nodes", args.lookup_nodes, 0)):
             if value < low:
                 raise BenchError(f"{flag} must be >= {low}, got {value}")
-        budget: str | int = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
+        budget = parse_tree_budget(args.tree_budget)
         methods = resolve_methods(args)
         texts = load_bench_prompts(args.prompts, args.limit, args.stride)
     except (BenchError, ValueError) as e:
@@ -428,9 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = counts[m]
         log(f"[bench] {m}: {c.get('nodes', 0) / max(c.get('steps', 0), 1):.2f} tree nodes verified per step "
             f"(root included); acceptance rate given the parent was accepted (rate/tries): {g.calibrator.summary()}")
+    prompt_set = describe_prompts(args.prompts, len(prompts), args.stride)
     result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "methods": summary}
-    print(f"\n{result['machine']}\ntarget {result['target']}, {len(prompts)} prompts ({args.prompts}), greedy, "
+              "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens, "methods": summary}
+    print(f"\n{result['machine']}\ntarget {result['target']}; {prompt_set}; greedy, "
           f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
     print(format_table(summary))
     if args.out:
@@ -438,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         log(f"[bench] wrote {args.out}")
     if args.plot:
-        plot(summary, args.plot, f"{Path(str(args.target)).name}, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+        plot(summary, args.plot, f"{Path(str(args.target)).name}: {prompt_set}, {args.max_new_tokens} new tokens")
         log(f"[bench] wrote {args.plot}")
     return 0
 

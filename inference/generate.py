@@ -492,6 +492,36 @@ class SpeculativeGenerator:
 # CLI
 
 
+def parse_tree_budget(value: str, flag: str = "--tree-budget") -> Literal["auto"] | int:
+    """`auto` or a number of draft nodes >= 0; ValueError naming `flag` otherwise."""
+    if value == "auto":
+        return value
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise ValueError(f"{flag} must be 'auto' or a number of draft nodes >= 0, got {value!r}")
+    return budget
+
+
+def check_cli_args(args: argparse.Namespace) -> Literal["auto"] | int:
+    """Check the generate CLI's arguments (ValueError naming the flag) before any model loads; returns the
+    tree budget."""
+    from medusa_train.heads import load_spec
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.lookup_nodes < 0:
+        raise ValueError(f"--lookup-nodes must be >= 0 (0: heads only), got {args.lookup_nodes}")
+    load_spec(args.heads)  # FileNotFoundError unless it is a heads directory
+    return parse_tree_budget(args.tree_budget)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference.generate",
                                      description="Generate with trained draft heads (greedy output = the target's).")
@@ -512,8 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     args = parser.parse_args(argv)
-    budget = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
-    try:
+    try:  # every argument is checked before the model loads
+        budget = check_cli_args(args)
         gen = SpeculativeGenerator.from_pretrained(args.heads, target=args.target, device=args.device,
                                                    lookup_nodes=args.lookup_nodes)
         streamer = None

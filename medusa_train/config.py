@@ -297,9 +297,13 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'recipe'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
+    for key, value in raw.items():
         if key not in names:
-            raise _unknown_key_error(prefix + str(key))
+            full = prefix + str(key)
+            while isinstance(value, dict) and len(value) == 1:  # a misspelled section: name the whole key
+                (sub, value), = value.items()
+                full += f".{sub}"
+            raise _unknown_key_error(full)
     kwargs = {}
     for name in names & set(raw):
         hint = hints[name]

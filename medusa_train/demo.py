@@ -10,10 +10,10 @@ Stages (each prints what it does and how long it took; every stage resumes or re
 3. train     chained heads, then Medusa-1 parallel heads (the baseline), shortened runs of
              recipes/smollm2-135m.yaml on that data;
 4. bench     ar, pld, ngram, bigram, parallel, chained and chained+ngram (the heads with n-gram lookup
-             grafted on, what `SpeculativeGenerator.from_pretrained` does) on held-out prompts: MT-Bench
-             first turns when ../shared/data/mt_bench_question.jsonl exists (or $MEDUSA_BENCH_PROMPTS),
-             else the default pool's held-out split; prints the results table, writes results.json and
-             bench.png.
+             grafted on, what `SpeculativeGenerator.from_pretrained` does) on prompts the heads never saw:
+             the default pool's held-out split (topics and tasks its training split never uses), or the file
+             passed with `--bench-prompts` (e.g. MT-Bench's question.jsonl, which distillation then excludes);
+             prints the results table, writes results.json and bench.png, each naming the prompt set.
 
 The stage sizes are flags; `--steps-chained 0` skips a stage. Defaults are sized for 2 otherwise idle cores
 either way `--dtype auto` goes. Measured on a Xeon with AMX (bfloat16): distill 184 s, training 145 s
@@ -24,15 +24,15 @@ without fast bfloat16 gets): 280, 310 and 296 s, 14.8 minutes; inside the 25 wit
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from medusa_train.files import is_heads_dir
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
-SHARED_MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench_question.jsonl"
 SHORT_RUN = ("heads.draft_vocab_size=4096", "heads.context_layers=0", "train.lr=3e-3")
 
 
@@ -55,16 +55,6 @@ def run(cmd: list[str], what: str, capture: bool = False) -> str:
         sys.exit(f"error: {what} failed (exit {proc.returncode}); rerun the command above to see why. "
                  f"Rerunning the demo resumes: finished stages are skipped.")
     return proc.stdout or ""
-
-
-def bench_prompts(explicit: str | None) -> tuple[str, str]:
-    """(prompts argument for inference.bench, a description): MT-Bench if on disk, else the held-out pool."""
-    path = explicit or os.environ.get("MEDUSA_BENCH_PROMPTS")
-    if path:
-        return path, path
-    if SHARED_MT_BENCH.is_file():
-        return str(SHARED_MT_BENCH), "MT-Bench first turns"
-    return "default", "held-out prompts of the default pool (MT-Bench not found)"
 
 
 def fast_bfloat16() -> bool:
@@ -105,7 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-parallel", type=int, default=160, help="training steps for the parallel heads")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-length", type=int, default=384)
-    p.add_argument("--bench-prompts", default=None, help="benchmark prompt file (default: MT-Bench if found)")
+    p.add_argument("--bench-prompts", default="default",
+                   help="benchmark prompts: `default` (the default pool's held-out split) or a prompt file such as "
+                        "MT-Bench's question.jsonl (its prompts are then kept out of the distilled data)")
     p.add_argument("--bench-limit", type=int, default=8, help="benchmark prompts")
     p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark generation")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -117,6 +109,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the four stages; exit non-zero with the failing stage named."""
     args = parser().parse_args(argv)
+    for flag in ("distill_prompts", "distill_tokens", "batch_size", "max_length", "bench_limit", "bench_tokens"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.bench_prompts != "default" and not Path(args.bench_prompts).exists():
+        sys.exit(f"error: --bench-prompts: file not found: {args.bench_prompts}")
     args.dtype = target_dtype(args.dtype)
 
     work = (REPO / args.workdir) if not Path(args.workdir).is_absolute() else Path(args.workdir)
@@ -136,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
            f"target.dtype={args.dtype}", "--prompts", "default",
            "--out", data, "--limit", args.distill_prompts, "--max-new-tokens", args.distill_tokens,
            "--batch-size", 16]
-    if SHARED_MT_BENCH.is_file():
-        cmd += ["--exclude", SHARED_MT_BENCH]
+    if args.bench_prompts != "default":  # the benchmark's prompts never reach training
+        cmd += ["--exclude", args.bench_prompts]
     run(cmd, "self-distillation")
     done(t0, f"distilled data in {data}")
 
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, steps, out in (("chained", args.steps_chained, chained), ("parallel", args.steps_parallel, parallel)):
         if steps <= 0:
             continue
-        if (out / "model.safetensors").is_file() and (out / "acceptance.json").is_file():
+        if is_heads_dir(out) and (out / "acceptance.json").is_file():
             print(f"{kind} heads already trained in {out}; delete it to retrain")
             continue
         t1 = time.perf_counter()
@@ -155,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {kind} heads trained in {time.perf_counter() - t1:.0f} s -> {out}")
     done(t0, "heads trained")
 
-    prompts, where = bench_prompts(args.bench_prompts)
+    where = "held-out prompts of the default pool" if args.bench_prompts == "default" else args.bench_prompts
     t0 = stage(4, total, f"benchmark on {args.bench_limit} {where}, greedy, {args.bench_tokens} new tokens")
-    cmd = [sys.executable, "-m", "inference.bench", "--target", target, "--prompts", prompts,
+    cmd = [sys.executable, "-m", "inference.bench", "--target", target, "--prompts", args.bench_prompts,
            "--limit", args.bench_limit, "--max-new-tokens", args.bench_tokens, "--bigram-data", data,
            "--out", work / "results.json", "--plot", work / "bench.png"]
     if args.steps_chained > 0:

@@ -48,8 +48,9 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
                      "--repeats", "1", "--out", str(out), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert set(res) == {"machine", "target", "prompts", "max_new_tokens", "methods"}
+    assert set(res) == {"machine", "target", "prompts", "prompt_set", "max_new_tokens", "methods"}
     assert res["prompts"] == 3 and res["max_new_tokens"] == 12 and res["target"] == str(setup / "target")
+    assert res["prompt_set"] == "3 prompts of prompts.jsonl"  # named in the table and the plot's title too
     assert list(res["methods"]) == list(bench.ALL_METHODS)
     for name, m in res["methods"].items():
         assert set(m) == {"tokens_per_s", "tau", "speedup", "exact_match"}
@@ -58,7 +59,7 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     assert res["methods"]["ar"]["tau"] == 1.0 and res["methods"]["ar"]["speedup"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
-    assert "chained" in table and "exact_match" in table
+    assert "chained" in table and "exact_match" in table and "3 prompts of prompts.jsonl" in table
 
 
 def test_a_broken_drafter_is_reported_as_not_exact():
@@ -139,6 +140,7 @@ def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
     (["--stride", "0"], "--stride must be >= 1"),
     (["--heads", "nope"], "--heads: not found"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--tree-budget", "abc"], "--tree-budget must be 'auto' or a number of draft nodes >= 0"),
 ])
 def test_bad_input_exits_2(setup, capsys, argv, message):
     assert bench.main(["--target", str(setup / "target"), *argv]) == 2

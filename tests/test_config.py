@@ -41,6 +41,12 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
 @pytest.mark.parametrize("override, message", [
     ("train.batchsize=4", "unknown config key: train.batchsize; did you mean train.batch_size?"),
     ("heads.num_head=2", "unknown config key: heads.num_head; did you mean heads.num_heads?"),
+    # matched on the last part of the key, and on the names other trainers use
+    ("train.lerning_rate=1e-3", "unknown config key: train.lerning_rate; did you mean train.lr?"),
+    ("train.gradient_accumulation_steps=2", "unknown config key: train.gradient_accumulation_steps; did you mean "
+                                            "train.grad_accum?"),
+    ("tain.seed=1", "unknown config key: tain.seed; did you mean train.seed?"),
+    ("train.foo=1", "unknown config key: train.foo"),
     ("train.batch_size=abc", "train.batch_size must be int, got 'abc'"),
     ("heads.num_heads=0", "heads.num_heads must be between 1 and 16, got 0"),
     ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel', got 'serial'"),

@@ -33,6 +33,8 @@ def test_heads_for_another_target_are_refused(tmp_path):
 def test_batch_of_prompts_is_refused(gen):
     with pytest.raises(ValueError, match="batch generation is not supported.*2 prompts"):
         gen.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match="one prompt at a time, got a list of 2 strings"):
+        gen.generate(["hello", "world"], max_new_tokens=4)
 
 
 def test_over_long_prompt_is_refused_before_generating(gen):

@@ -207,5 +207,24 @@ def test_cli_prints_text_and_one_stats_line(heads_dir, capsys):
     gen = SpeculativeGenerator.from_pretrained(heads_dir / "heads", device="cpu")
     want = gen.generate("abc", max_new_tokens=8, tree_budget=3)
     assert "\n".join(lines[:-1]) == want.text
-    assert main(["--heads", str(heads_dir / "heads"), "--prompt", "abc", "--max-new-tokens", "-3"]) == 2
-    assert "max_new_tokens" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    (["--tree-budget", "abc"], "--tree-budget must be 'auto' or a number of draft nodes >= 0, got 'abc'"),
+    (["--tree-budget", "-1"], "--tree-budget must be 'auto'"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--lookup-nodes", "-1"], "--lookup-nodes must be >= 0"),
+    (["--heads", "no-such-dir"], "no-such-dir is not a heads directory"),
+])
+def test_cli_checks_every_argument_before_loading_a_model(heads_dir, capsys, monkeypatch, argv, message):
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", no_loading)
+    args = ["--heads", str(heads_dir / "heads"), "--prompt", "abc", *argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
