@@ -179,7 +179,7 @@ def test_from_pretrained_and_cli_take_lookup_nodes(tmp_path, capsys):
                  "--tree-budget", "4", "--lookup-nodes", "2", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.rstrip("\n").split("\n")[:-1] == [out.text]
     assert main(["--heads", str(tmp_path / "heads"), "--prompt", prompt, "--lookup-nodes", "-1"]) == 2
-    assert "lookup_nodes" in capsys.readouterr().err
+    assert "--lookup-nodes must be >= 0" in capsys.readouterr().err
 
 
 # -- cost-aware trimming (tree.trim_keep + subtree; on a CPU with the auto budget) ---------------------
