@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Self-distilled replies vs the original answers, same prompts, same training budget: which heads accept more?
-# Prompts: the first N Alpaca rows in ../shared/data (instruction + input -> output). Scored by real tau with the
-# engine on MT-Bench first turns (never trained on). Usage: bash scripts/compare_data.sh [N] [STEPS]
+# Prompts: the first N rows of LLaMA-Factory's data/alpaca_en_demo.json (instruction + input -> output). Scored by
+# real tau with the engine on MT-Bench first turns (never trained on). DATA names the directory holding both files
+# under the names scripts/full_run.sh lists. Usage: DATA=dir bash scripts/compare_data.sh [N] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-128}; STEPS=${2:-120}
-SHARED=../shared/data
+SHARED=${DATA:?set DATA to the directory holding the prompt files (see scripts/full_run.sh)}
 W=runs/compare-data; mkdir -p $W
 T=$(python -m medusa_train.prepare)
 python - "$SHARED/llamafactory_alpaca_en_demo.json" "$N" "$W" <<'PY'

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# The full-length run on SmolLM2-135M-Instruct (2 CPU cores; README "Results"), in one go.
-# Unlike the main job it uses the public prompt and chat files in ../shared/data (never the benchmark's):
+# The full-length run of recipes/smollm2-135m.yaml on 2 CPU cores, in one go (docs/results.md, "Full length").
+# It reads public prompt files from DATA (a directory you fill; the project ships none of them), by these names:
+#   mt_bench_question.jsonl            FastChat  fastchat/llm_judge/data/mt_bench/question.jsonl  (benchmark; excluded)
+#   sharegpt_first_prompts_2978.json   ml-energy/leaderboard-v2  sharegpt/sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json
+#   arena_hard_v0.1_question.jsonl     lmarena/arena-hard-auto  data/arena-hard-v0.1/question.jsonl
+#   llamafactory_alpaca_en_demo.json   hiyouga/LLaMA-Factory  data/alpaca_en_demo.json
+#   gsm8k_train.jsonl                  openai/grade-school-math  grade_school_math/data/train.jsonl
+# Stages:
 #   1. self-distill SmolLM2's greedy replies, in bfloat16 (2.2x the float32 throughput on a CPU with AMX or
 #      AVX512-BF16), MT-Bench excluded (--exclude), replies capped at 256 tokens, two processes of one thread:
 #      ShareGPT first prompts (shortest first, up to 768 prompt tokens, 2,700 of them) in one; Arena-Hard and
 #      Alpaca (shortest first, up to 256 tokens), the first 600 GSM8K questions and 1,300 prompts of the offline
-#      default pool in the other. About 6,000 conversations, 1.56M tokens;
-#   2. train chained heads with one context-encoder layer (heads.context_layers=1) and a draft vocabulary of
-#      8192, then parallel (Medusa-1) heads on the same data, lr, epochs and vocabulary, the target in bfloat16
-#      (its forward and the vocabulary matmuls run on AMX; heads and optimizer stay float32); the target's
-#      hidden states are computed once (train.hidden_cache_dir) and both runs read them;
+#      default pool in the other. About 6,000 conversations, 1.56M tokens, about 90 minutes;
+#   2. train chained heads (the recipe: one context-encoder layer, draft vocabulary 8192, weight decay 0.1), then
+#      parallel (Medusa-1) heads on the same data, the target in bfloat16; the target's hidden states are computed
+#      once (train.hidden_cache_dir) and both runs read them. Measured 2026-11-25: the chained heads in 1 h 45 min;
 #   3. benchmark every method on MT-Bench first turns (every BENCH_STRIDE-th: 1 = all 80, the documented run).
-# The README's newest heads were trained in warm-started stages while this data grew (2, 5 and 3 epochs on
-# 2,585, 3,714 and 6,026 conversations, then 1.4 epochs with 2,889 sampled replies more; the README gives each
-# command). This script is one run of EPOCHS epochs on the 6,026: measured 2026-11-25 on 2 cores, stage 1
-# resumed from the documented data, the chained heads trained in 1 h 44 min (README, "One run of
-# scripts/full_run.sh"); rerun with the recipe's weight decay (0.1), 1 h 45 min and tau 1.72 (was 1.66).
-# Every stage resumes: distillation skips finished prompts, training resumes from its last checkpoint.
-# Why a draft vocabulary of 8192 and a context encoder: recipes/smollm2-135m.yaml, whose settings these are.
-# Stop stage 1 whenever you like (Ctrl-C): rows are flushed per batch, and a rerun resumes.
-# Usage: bash scripts/full_run.sh [WORKDIR]   (sizes via env: SHAREGPT=2700 ARENA=0 ALPACA=0 GSM8K=600
-#        DEFAULT=1300 (0: all of a pool) EPOCHS=6 BENCH_STRIDE=1)
+# Every stage resumes: distillation skips finished prompts, training resumes from its last checkpoint. Stop stage
+# 1 whenever you like (Ctrl-C): rows are flushed per batch.
+# Usage: DATA=path/to/prompt/files bash scripts/full_run.sh [WORKDIR]   (sizes via env: SHAREGPT=2700 ARENA=0
+#        ALPACA=0 GSM8K=600 DEFAULT=1300 (0: all of a pool) EPOCHS=6 BENCH_STRIDE=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-W=${1:-runs/full}; SHARED=${SHARED:-../shared/data}
+W=${1:-runs/full}
+SHARED=${DATA:?set DATA to the directory holding the prompt files listed at the top of this script}
 SHAREGPT=${SHAREGPT:-2700}; ARENA=${ARENA:-0}; ALPACA=${ALPACA:-0}; GSM8K=${GSM8K:-600}; DEFAULT=${DEFAULT:-1300}
 EPOCHS=${EPOCHS:-6}; BENCH_STRIDE=${BENCH_STRIDE:-1}
 mkdir -p "$W/data"
