@@ -147,7 +147,8 @@ def accept_lossless(tree: Tree, p: torch.Tensor, generator: torch.Generator | No
     acc = deepest_path(tree, taken)
     # residual at the last accepted node: its (all rejected) children's tokens removed
     children = (tree.parents == acc.best) & nonroot  # [N]
-    removed = torch.zeros(p.shape[-1], device=p.device).index_add_(0, tree.tokens, children.to(p.dtype)) > 0
+    removed = torch.zeros(p.shape[-1], device=p.device, dtype=p.dtype).index_add_(0, tree.tokens,
+                                                                                 children.to(p.dtype)) > 0
     residual = p[acc.best].masked_fill(removed, 0.0)
     total = residual.sum()
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[acc.best])  # guard rounding
