@@ -52,10 +52,15 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     assert res["prompts"] == 3 and res["max_new_tokens"] == 12 and res["target"] == str(setup / "target")
     assert res["prompt_set"] == "3 prompts of prompts.jsonl"  # named in the table and the plot's title too
     assert list(res["methods"]) == list(bench.ALL_METHODS)
+    # tau is new tokens per target forward: at least 1, at most what one forward can accept (the deepest
+    # proposal + the bonus): pld 10 lookup tokens, ngram 5 levels, bigram 4, the heads 3, the hybrid's lookup 4
+    deepest = {"ar": 0, "pld": 10, "ngram": 5, "bigram": 4, "parallel": 3, "chained": 3, "chained+ngram": 4}
+    ar_rate = res["methods"]["ar"]["tokens_per_s"]
     for name, m in res["methods"].items():
         assert set(m) == {"tokens_per_s", "tau", "speedup", "exact_match"}
         assert m["exact_match"] is True, name  # the engine is exact; pld is transformers' own
-        assert m["tokens_per_s"] > 0 and m["tau"] >= 1.0
+        assert 1.0 <= m["tau"] <= deepest[name] + 1, name
+        assert m["speedup"] == pytest.approx(m["tokens_per_s"] / ar_rate, abs=2e-3), name
     assert res["methods"]["ar"]["tau"] == 1.0 and res["methods"]["ar"]["speedup"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out

@@ -54,6 +54,9 @@ def test_over_long_prompt_is_refused_before_generating(gen):
     # just fits: prompt + new tokens + tree depth == context
     out = gen.generate(torch.zeros(1, 500, dtype=torch.long), max_new_tokens=9, eos_token_id=[])
     assert len(out.token_ids) == 9
+    # one more does not, though prompt + new tokens alone would: the last step's tree reaches 3 past them
+    with pytest.raises(ContextLengthError, match=r"tree depth \(3\) = 513 exceeds the target's context of 512"):
+        gen.generate(torch.zeros(1, 500, dtype=torch.long), max_new_tokens=10)
 
 
 @pytest.mark.parametrize("kwargs, match", [

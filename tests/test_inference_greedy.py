@@ -22,7 +22,16 @@ ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 
 
 def float64_model(arch: str, seed: int = 0):
-    return tiny_model(arch, seed=seed).double()
+    """A tiny random model in float64. Rotary models get query and key projections 20x their random init, so
+    attention is sharp enough that a node's position moves the output: with the init's weights a tree verified
+    one position off still produced the target's greedy tokens."""
+    model = tiny_model(arch, seed=seed).double()
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("q_proj", "k_proj"):
+                if hasattr(module, name):
+                    getattr(module, name).weight.mul_(20.0)
+    return model
 
 
 def random_heads(model, kind: str, num_heads: int, seed: int = 0, scale: float = 0.2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_inference_greedy import float64_model, greedy_reference, random_heads
@@ -178,7 +179,12 @@ def test_auto_budget_is_measured_once_and_in_range():
     assert sorted(times) == list(AUTO_BUDGET_LENGTHS_CPU) and all(t > 0 for t in times.values())
     assert list(AUTO_BUDGET_LENGTHS_CPU[:16]) == list(range(1, 17))  # every size up to 16 is timed on a CPU
     assert all(times[a] <= times[b] for a, b in zip(AUTO_BUDGET_LENGTHS_CPU, AUTO_BUDGET_LENGTHS_CPU[1:]))
-    assert 0 <= out.stats.tree_budget < 32 and out.stats.tree_budget == gen.auto_tree_budget()
+    # the budget maximises expected tokens per second of verify: tau(b) / t(b + 1 rows), t interpolated
+    # linearly between the timed lengths
+    lengths = list(AUTO_BUDGET_LENGTHS_CPU)
+    tau = gen.drafter.expected_tau(lengths[-1] - 1)
+    rate = [tau[b] / float(np.interp(b + 1, lengths, [times[n] for n in lengths])) for b in range(lengths[-1])]
+    assert out.stats.tree_budget == gen.auto_tree_budget() == max(range(len(rate)), key=rate.__getitem__)
     assert out.token_ids.tolist() == greedy_reference(model, ids, 6, eos_token_id=[]).tolist()
 
 

@@ -1,15 +1,16 @@
-"""Lossless sampling: the first generated tokens follow the target's own distribution.
+"""Lossless sampling through `generate`: the first generated tokens follow the target's own distribution.
 
-A tiny Llama with a 4-token vocabulary makes the exact joint distribution of the first three new tokens
-(64 outcomes) cheap to enumerate. We draw it many times through `generate` with different seeds and run
-a chi-square goodness-of-fit test. The seeds are fixed, so the test is deterministic; the threshold is
-the chi-square quantile at p = 1e-5 (a correct sampler fails it with probability 1e-5 for a fresh set of
-seeds), and a sampler that is off by even a few percent in a common outcome lands far above it, as
-`typical` acceptance does.
+An integration check of the whole loop (prefill, drafting, tree verify, acceptance, cache compaction, the next
+root): a tiny Llama with a 4-token vocabulary makes the exact joint distribution of the first three new tokens
+(64 outcomes) cheap to enumerate; we draw it 1,500 times through `generate` with different seeds and run a
+chi-square goodness-of-fit test at p = 1e-5 (fixed seeds, so deterministic). At this sample size it catches
+gross errors, such as Medusa's typical acceptance (more than 5x the threshold) or a loop that drops or repeats
+tokens, not a sampler off by a few percent: the acceptance rule and `sample_token` are proven exactly, and with
+high-powered batched draws, in test_acceptance_exact.py.
 
-The drafts come from a tree whose siblings cover most of the vocabulary, so every branch of the
-rejection sampler is exercised: accepting the 1st, 2nd or 3rd candidate, accepting at depth 1..3,
-rejecting all siblings and sampling the residual, and (with duplicate candidates) a repeated sibling.
+The drafts come from a tree whose siblings cover most of the vocabulary, so every branch of the rejection
+sampler runs: accepting the 1st, 2nd or 3rd candidate, accepting at depth 1..3, rejecting all siblings and
+sampling the residual, and (with duplicate candidates) a repeated sibling.
 """
 
 from __future__ import annotations

@@ -522,3 +522,25 @@ def test_weight_decay_shrinks_matrices_and_leaves_biases_and_norm_scales():
     # no decay: one group of every parameter, the layout of checkpoints written before the split
     groups = param_groups(heads, 0.0)
     assert len(groups) == 1 and len(groups[0]["params"]) == len(list(heads.parameters()))
+
+
+def test_the_optimizer_sees_gradients_clipped_to_max_grad_norm(ws, monkeypatch):
+    """With train.max_grad_norm the optimizer steps on gradients of total norm at most that; with 0 (no clipping)
+    on the raw ones, which here are larger, so the bound is not met by accident. The logged grad_norm is the
+    norm before clipping."""
+    norms: list[float] = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        grads = [p.grad.detach().flatten() for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norms.append(float(torch.cat(grads).norm()))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    train(config(ws, "clip", "train.max_steps=4", "train.max_grad_norm=0.01", "eval.every=0"))
+    clipped, norms[:] = norms[:], []
+    train(config(ws, "no-clip", "train.max_steps=4", "train.max_grad_norm=0", "eval.every=0"))
+    assert len(clipped) == len(norms) == 4
+    assert max(clipped) <= 0.01 * (1 + 1e-4) and min(norms) > 0.05
+    logged = [r["train/grad_norm"] for r in read_jsonl(ws / "clip" / "metrics.jsonl") if "train/grad_norm" in r]
+    assert logged and min(logged) > 0.05
