@@ -9,7 +9,11 @@ These calls change between transformers versions; keep them here.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 
@@ -17,6 +21,19 @@ def new_cache() -> DynamicCache:
     """An empty cache of full-attention layers (no sliding-window eviction: the engine checks the window
     is never exceeded, because the tree mask is passed to the model as is)."""
     return DynamicCache()
+
+
+@functools.cache
+def _cache_keyword(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it (transformers
+    5.24 renamed it and removes `past_key_values` in 5.40), `past_key_values` on older versions (the GPU machines'
+    5.17). Decided once per model class, by its signature."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from inference.kernels import tree_attention
-from inference.kv import cache_length
+from inference.kv import cache_kwargs, cache_length
 from inference.tree import Tree, tree_attention_mask, tree_position_ids
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
@@ -33,8 +33,9 @@ TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta)
 def target_forward(model: nn.Module, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The target's final post-norm hidden states h: [1, T, d], appending T entries to `cache`."""
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True)
+    base = model.base_model
+    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+               **cache_kwargs(base, cache))
     return out.last_hidden_state
 
 

@@ -65,3 +65,21 @@ def test_compact_cache_moves_the_kept_entries_and_crops():
     for (k, v), (k0, v0) in zip(cache_tensors(cache), before):
         src = torch.tensor([0, 1, 2, 3, 4, 5, 8, 9, 11])
         assert torch.equal(k, k0[:, :, src]) and torch.equal(v, v0[:, :, src])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+def test_the_cache_goes_in_by_the_keyword_the_model_takes(arch):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns, and goes in
+    5.40); older versions (the GPU machines' 5.17) know only `past_key_values`. The engine asks the signature."""
+    import inspect
+    import warnings
+
+    from inference.kv import cache_kwargs
+
+    model = float64_model(arch)
+    takes = "cache" if "cache" in inspect.signature(type(model.base_model).forward).parameters else "past_key_values"
+    assert list(cache_kwargs(model.base_model, new_cache())) == [takes]
+    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        gen.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=8, tree_budget=3)
