@@ -42,6 +42,37 @@ AUTO_BUDGET_PREFIX = 128  # prefix length the verify timings are taken at
 _VERIFY_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+PHASES = ("draft", "trim", "verify", "accept", "update", "compact", "observe")  # of `speculative_step`
+
+
+class PhaseClock:
+    """Times the phases of `speculative_step` from inside it (`inference.profile_step`); the step passes none when
+    generating. On CUDA each lap synchronises first, so a phase's time is its kernels', not their launch's."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.rows = 0  # tree nodes verified, roots included
+        self._t = 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._t = self._now()
+
+    def lap(self, phase: str) -> None:
+        now = self._now()
+        self.seconds[phase] += now - self._t
+        self._t = now
+
+
+def _no_lap(phase: str) -> None:
+    pass
+
+
 class UnsupportedModelError(ValueError):
     """The target cannot verify a tree through its ordinary forward (names the model_type and why)."""
 
@@ -293,28 +324,42 @@ class SpeculativeGenerator:
         return accept_lossless(tree, p, sampling.generator)
 
     def speculative_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling,
-                         costs: Sequence[float] | None = None, stats: GenerationStats | None = None) -> list[int]:
+                         costs: Sequence[float] | None = None, stats: GenerationStats | None = None,
+                         clock: PhaseClock | None = None) -> list[int]:
         """Draft, verify, accept, compact. Returns the appended tokens (accepted drafts + the bonus).
         `costs` (verify seconds per token count) drops the drafted nodes not worth their rows, by their
-        calibrated probability of acceptance (`self.calibrator`, which learns from this step's verify)."""
+        calibrated probability of acceptance (`self.calibrator`, which learns from this step's verify).
+        `clock` (profiling only) times each of `PHASES` from inside the step."""
+        lap = clock.lap if clock is not None else _no_lap
+        if clock is not None:
+            clock.start()
         draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
                                                 trimmed=costs is not None))
+        lap("draft")
         keys = None
         if costs is not None:
             draft, keys = self.calibrator.trim(draft, costs)
+        lap("trim")
         if stats is not None:
             stats.verified_nodes += draft.size
         prefix_len = cache_length(state.cache)
         logits, h = verify_tree(self.target, state.cache, draft)  # [N, V], [N, d]
+        lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
+        lap("accept")
         if keys is not None:
             self.calibrator.update(draft, keys, acc.path, n)
+        lap("update")
         compact_cache(state.cache, prefix_len, acc.path[:n])
         state.root, state.hidden = acc.bonus.view(1), h[acc.best]
+        lap("compact")
         if self.drafter.needs_history:  # the accepted nodes, each followed by the next one (the last: bonus)
             self.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
         state.tokens.extend(new)
+        lap("observe")
+        if clock is not None:
+            clock.rows += draft.size
         return new
 
     def generate(self, prompt: str | torch.Tensor | Sequence[int], max_new_tokens: int = 128,

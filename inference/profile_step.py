@@ -8,9 +8,9 @@ Two modes:
   linear layers on oneDNN on a CPU), greedy generation on `--prompts` (default: the held-out split of the
   offline default pool, never trained on), stopping at EOS or `--max-new-tokens` as `generate` does.
 
-Each phase of `SpeculativeGenerator.speculative_step` is timed on a copy of its body (synchronising the device
-between phases so each phase is charged its own kernels); whole steps are then timed on the real method,
-without the extra syncs. `--budget auto` uses the generator's auto budget and, on a CPU, its calibrated trim.
+Each phase of `SpeculativeGenerator.speculative_step` is timed by the step itself (a `PhaseClock` passed in,
+which on CUDA synchronises between phases so each phase is charged its own kernels); whole steps are then timed
+without the clock. `--budget auto` uses the generator's auto budget and, on a CPU, its calibrated trim.
 
     python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40] \\
         [--context-layers 1] [--lookup-nodes 4]
@@ -25,15 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.drafters import DraftContext, HeadsDrafter, HybridDrafter
-from inference.generate import DecodeState, Sampling, SpeculativeGenerator
+from inference.drafters import HeadsDrafter, HybridDrafter
+from inference.generate import PHASES, PhaseClock, Sampling, SpeculativeGenerator
 from inference.kernels import use_onednn_linear
-from inference.kv import cache_length, compact_cache
-from inference.verify import verify_tree
 from medusa_train.target import default_device
-
-PHASES = ("draft", "trim", "verify", "accept", "update", "compact", "observe")
-
 
 def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -43,44 +38,6 @@ def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
                          tie_word_embeddings=True, rope_theta=100000.0)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
-
-
-def _timed_step(gen: SpeculativeGenerator, state: DecodeState, tree, budget: int, sampling: Sampling,
-                costs, totals: dict[str, float], sync) -> list[int]:
-    """`speculative_step`, phase by phase (keep in step with it)."""
-    marks = [time.perf_counter()]
-
-    def mark():
-        sync()
-        marks.append(time.perf_counter())
-
-    draft = gen.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
-                                           trimmed=costs is not None))
-    mark()
-    keys = None
-    if costs is not None:
-        draft, keys = gen.calibrator.trim(draft, costs)
-    mark()
-    prefix_len = cache_length(state.cache)
-    logits, h = verify_tree(gen.target, state.cache, draft)
-    mark()
-    acc = gen.accept(draft, logits, sampling)
-    n, new = acc.to_host(draft)
-    mark()
-    if keys is not None:
-        gen.calibrator.update(draft, keys, acc.path, n)
-    mark()
-    compact_cache(state.cache, prefix_len, acc.path[:n])
-    state.root, state.hidden = acc.bonus.view(1), h[acc.best]
-    mark()
-    if gen.drafter.needs_history:
-        gen.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))
-    state.tokens.extend(new)
-    mark()
-    for name, t0, t1 in zip(PHASES, marks, marks[1:]):
-        totals[name] += t1 - t0
-    totals["rows"] += draft.size
-    return new
 
 
 def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor], tree="static",
@@ -117,17 +74,17 @@ def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor]
         return steps, out, time.perf_counter() - t0
 
     run(prompts[0], lambda s, samp: gen.speculative_step(s, tree, budget, samp, costs))  # warm-up
-    totals = dict.fromkeys(PHASES + ("rows",), 0.0)
+    clock = PhaseClock(device)
     timed_steps = 0
     for ids in prompts:
-        timed_steps += run(ids, lambda s, samp: _timed_step(gen, s, tree, budget, samp, costs, totals, sync))[0]
+        timed_steps += run(ids, lambda s, samp: gen.speculative_step(s, tree, budget, samp, costs, clock=clock))[0]
     steps, tokens, seconds = 0, 0, 0.0
     for ids in prompts:
         n, out, dt = run(ids, lambda s, samp: gen.speculative_step(s, tree, budget, samp, costs))
         steps, tokens, seconds = steps + n, tokens + out, seconds + dt
-    result = {name: 1e3 * totals[name] / max(timed_steps, 1) for name in PHASES}
+    result = {name: 1e3 * clock.seconds[name] / max(timed_steps, 1) for name in PHASES}
     result["step"] = 1e3 * seconds / max(steps, 1)
-    result["rows"] = totals["rows"] / max(timed_steps, 1)
+    result["rows"] = clock.rows / max(timed_steps, 1)
     result["tau"] = tokens / max(steps + len(prompts), 1)  # the prefill decides the first token
     result["budget"] = budget
     result["engine_share_of_verify"] = sum(result[p] for p in PHASES if p != "verify") / max(result["verify"], 1e-9)

@@ -1,6 +1,5 @@
-"""inference.profile_step times a copy of `speculative_step`, phase by phase: the copy must stay in step with
-the real method (same tokens, same rows verified, same calibrator learning) or its numbers describe another
-engine."""
+"""inference.profile_step times `speculative_step` phase by phase from inside the step (a `PhaseClock`), so its
+numbers describe the engine that generates: timed or not, a step does the same work."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ from test_inference_greedy import greedy_reference, random_heads
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.generate import GenerationStats, Sampling
-from inference.profile_step import PHASES, _timed_step, profile_generator
+from inference.generate import PHASES, GenerationStats, PhaseClock, Sampling
+from inference.profile_step import profile_generator
 
 
 def _generator(model):
@@ -18,28 +17,27 @@ def _generator(model):
     return SpeculativeGenerator(model, tiny_tokenizer(), HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=2))
 
 
-def test_timed_copy_of_the_step_matches_the_step():
+def test_a_clocked_step_is_the_step():
+    """The phases are timed inside `speculative_step` itself: with a clock it commits the same tokens, verifies
+    the same rows and teaches the calibrator the same as without, and every phase it timed ran."""
     model = tiny_model("llama", seed=2).eval()
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)) % 8 + 60  # repeats: lookup hits
     costs = [0.0] + [1.0 + 0.1 * n for n in range(1, 40)]  # the calibrated trim runs, with steep enough costs to cut
     runs = []
-    for timed in (False, True):
+    for clock in (None, PhaseClock()):
         gen = _generator(model)
-        totals = dict.fromkeys(PHASES + ("rows",), 0.0)
         stats = GenerationStats()
+        steps = 0
         with torch.inference_mode():
             state = gen.prefill(ids, Sampling())
             while len(state.tokens) < ids.shape[1] + 30:
-                if timed:
-                    _timed_step(gen, state, "static", 6, Sampling(), costs, totals, lambda: None)
-                else:
-                    gen.speculative_step(state, "static", 6, Sampling(), costs, stats)
-        runs.append((state.tokens, totals["rows"] if timed else stats.verified_nodes, gen.calibrator.table()))
-    assert runs[0][0] == runs[1][0]
+                gen.speculative_step(state, "static", 6, Sampling(), costs, stats, clock=clock)
+                steps += 1
+        runs.append((state.tokens, stats.verified_nodes, gen.calibrator.table(), steps))
+    assert runs[0] == runs[1]
     assert runs[0][0][ids.shape[1]:ids.shape[1] + 30] == greedy_reference(model, ids, 30, eos_token_id=[]).tolist()
-    assert runs[0][1] == runs[1][1] > 0
-    assert runs[0][2] == runs[1][2]
-    assert all(totals[p] > 0 for p in PHASES)
+    assert clock.rows == runs[1][1] > runs[1][3]  # drafted nodes were verified beside each root
+    assert set(clock.seconds) == set(PHASES) and all(clock.seconds[p] > 0 for p in PHASES)
 
 
 def test_profile_generator_reports_every_phase_and_tau():
