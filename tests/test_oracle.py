@@ -25,9 +25,10 @@ def test_the_oracle_is_accepted_in_full_and_the_ratios_follow_from_the_timings()
         forwards = 1 + math.ceil((max_new - 1) / (b + 1))
         assert m["tau"] == pytest.approx(max_new / forwards, abs=1e-3)
         ceiling = m["tau"] * costs_ms[1] / costs_ms[b + 1]
-        assert m["ceiling"] == pytest.approx(ceiling, abs=2e-3)
-        assert m["efficiency"] == pytest.approx(m["speedup"] / m["ceiling"], abs=2e-3)
-        assert m["verify_share"] == pytest.approx(costs_ms[b + 1] / 1e3 * m["tokens_per_s"] / m["tau"], abs=2e-3)
+        # (the reported ratios are rounded to 3 decimals, their inputs too)
+        assert m["ceiling"] == pytest.approx(ceiling, rel=2e-3)
+        assert m["efficiency"] == pytest.approx(m["speedup"] / m["ceiling"], rel=2e-3)
+        assert m["verify_share"] == pytest.approx(costs_ms[b + 1] / 1e3 * m["tokens_per_s"] / m["tau"], rel=2e-3)
     assert chain(3) == [(0,), (0, 0), (0, 0, 0)]
 
 
