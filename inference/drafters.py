@@ -56,6 +56,9 @@ class DraftContext:
     tree: TreeSpec
     budget: int
     trimmed: bool = False
+    host_reads: bool = True
+    """Whether the drafter may read the tree on the host (`inference.budget.Platform`: on a CPU, not on a GPU,
+    where the step keeps its single sync)."""
 
 
 class Drafter:
@@ -355,8 +358,9 @@ class HybridDrafter(Drafter):
     drafts its whole budget and the lookup adds up to `lookup_nodes` on top: the calibrated trim then keeps
     whichever nodes are likeliest, so a reliable match displaces unlikely heads' nodes and vice versa. The
     tree shape, tree prior and context history are the primary's.
-    `share_nodes` (None: on a CPU only) merges the continuation into the primary tree's own nodes, which
-    reads the tree on the host; on a GPU it is appended as is, keeping the step at one host sync.
+    `share_nodes` merges the continuation into the primary tree's own nodes, which reads the tree on the host;
+    None (the default) leaves it to `DraftContext.host_reads`: merged on a CPU, appended as is on a GPU, where the
+    step keeps its one host sync.
     """
 
     share_nodes: bool | None = None
@@ -399,7 +403,8 @@ class HybridDrafter(Drafter):
                 branches.append(cont)
                 used += len(cont)
         tree = self.primary.draft(ctx if ctx.trimmed else replace(ctx, budget=ctx.budget - used))
-        return graft_branches(tree, branches, used, self.share_nodes, [n] * len(branches))
+        share = ctx.host_reads if self.share_nodes is None else self.share_nodes
+        return graft_branches(tree, branches, used, share, [n] * len(branches))
 
 
 # ---------------------------------------------------------------------------------------------------

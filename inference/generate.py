@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,10 +21,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+import inference.budget as budget_timing
+from inference.budget import Platform
 from inference.calibrate import AcceptanceCalibrator
 from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafter, TreeSpec
 from inference.kernels import use_onednn_linear
-from inference.kv import cache_length, compact_cache, crop_cache, new_cache
+from inference.kv import cache_length, compact_cache, new_cache
 from inference.tree import Tree, tree_from_parents
 from medusa_train.chat import render_prompt
 from medusa_train.target import eos_ids
@@ -33,13 +34,6 @@ from inference.verify import (accept_greedy, accept_lossless, accept_typical, sa
                               target_probs, verify_tree)
 
 Acceptance = Literal["exact", "typical"]
-# every length up to 16 on a CPU: the cost is a staircase there (MKL: 69 ms for 8 tokens, 80 for 10)
-AUTO_BUDGET_LENGTHS_CPU = tuple(range(1, 17)) + (24, 32)
-AUTO_BUDGET_LENGTHS_GPU = (1, 2, 4, 8, 16, 32, 64, 96)
-AUTO_BUDGET_PREFIX = 128  # prefix length the verify timings are taken at
-# target -> {tokens: seconds}: generators sharing a target share one measurement, so they pick their
-# budgets from the same timings (separate measurements differ by machine noise; see verify_seconds)
-_VERIFY_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 PHASES = ("draft", "trim", "verify", "accept", "update", "compact", "observe")  # of `speculative_step`
@@ -218,6 +212,7 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.device = target.get_output_embeddings().weight.device
+        self.platform = Platform.for_device(self.device)  # CPU-versus-GPU choices, made once here
         self._verify_costs: list[float] | None = None  # interpolated per token count
         self._auto_budget: int | None = None
         # how often each kind of drafted node is accepted, learned from every verify of this generator (kept
@@ -334,7 +329,7 @@ class SpeculativeGenerator:
         if clock is not None:
             clock.start()
         draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
-                                                trimmed=costs is not None))
+                                                trimmed=costs is not None, host_reads=self.platform.host_reads))
         lap("draft")
         keys = None
         if costs is not None:
@@ -444,8 +439,7 @@ class SpeculativeGenerator:
         """(draft nodes per step, verify costs for the calibrated trim or None) for a `tree_budget`: "auto"
         is the tuned budget, trimmed per step on a CPU; an int is used as is and never trimmed."""
         if tree_budget == "auto":
-            # trimming reads k on the host: CPU only
-            costs = self.verify_costs() if self.device.type == "cpu" and isinstance(tree, str) else None
+            costs = self.verify_costs() if self.platform.host_trim and isinstance(tree, str) else None
             return self.auto_tree_budget(), costs
         if isinstance(tree_budget, int) and tree_budget >= 0:
             return tree_budget, None
@@ -462,56 +456,21 @@ class SpeculativeGenerator:
                 f"shorten the prompt or lower max_new_tokens to {max(limit - prompt_len - self.drafter.max_depth, 0)}")
 
     def verify_seconds(self) -> dict[int, float]:
-        """Seconds per target forward of L tokens after a prefix, for a few L (measured once per target and
-        shared by every generator on it; measure again with `remeasure_verify_seconds`)."""
-        times = _VERIFY_SECONDS.get(self.target)
-        if times is None:
-            lengths = AUTO_BUDGET_LENGTHS_GPU if self.device.type == "cuda" else AUTO_BUDGET_LENGTHS_CPU
-            vocab = self.target.get_output_embeddings().weight.shape[0]
-            limit = context_limit(self.target) or 1 << 30
-            prefix_len = max(1, min(AUTO_BUDGET_PREFIX, limit - max(lengths)))
-            ids = (torch.arange(prefix_len + max(lengths), device=self.device) * 31 + 7) % vocab
-            chains = {n: tree_from_parents(ids[prefix_len:prefix_len + n],
-                                           (torch.arange(n, device=self.device) - 1).clamp_min(0),
-                                           torch.arange(n, device=self.device), n - 1) for n in lengths}
-            samples: dict[int, list[float]] = {n: [] for n in lengths}
-            with torch.inference_mode():
-                cache = new_cache()
-                target_forward(self.target, ids[None, :prefix_len], cache)
-                for rep in range(6):  # round-robin over lengths, so a burst of noise hits them all alike
-                    for n in lengths:
-                        self._sync()
-                        t0 = time.perf_counter()
-                        verify_tree(self.target, cache, chains[n])
-                        self._sync()
-                        if rep > 0:  # the first round warms up
-                            samples[n].append(time.perf_counter() - t0)
-                        crop_cache(cache, prefix_len)
-            times = {n: min(samples[n]) for n in lengths}  # the least disturbed run
-            running = 0.0
-            for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
-                running = times[n] = max(times[n], running)
-            _VERIFY_SECONDS[self.target] = times
-        return times
+        """Seconds per target forward of L tree rows after a prefix, for a few L (`inference.budget`: measured
+        once per target and shared by every generator on it; `remeasure_verify_seconds` measures again)."""
+        return budget_timing.verify_seconds(self.target, self.platform, context_limit(self.target))
 
     def remeasure_verify_seconds(self) -> None:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
         and the auto budget derived from them; the next `generate` measures again."""
-        _VERIFY_SECONDS.pop(self.target, None)
+        budget_timing.forget_verify_seconds(self.target)
         self._verify_costs, self._auto_budget = None, None
 
     def verify_costs(self) -> list[float]:
         """costs[n]: seconds of a verify forward over n tokens, n = 0..the longest measured (costs[0] = 0),
         interpolated between the measured lengths (computed once per generator)."""
         if self._verify_costs is None:
-            times = self.verify_seconds()
-            lengths = sorted(times)
-            costs = [0.0]
-            for n in range(1, max(lengths) + 1):
-                hi = next(length for length in lengths if length >= n)
-                lo = max(length for length in lengths if length <= n)
-                costs.append(times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo))
-            self._verify_costs = costs
+            self._verify_costs = budget_timing.verify_costs(self.verify_seconds())
         return self._verify_costs
 
     def auto_tree_budget(self) -> int:
@@ -520,17 +479,8 @@ class SpeculativeGenerator:
         Computed once per generator."""
         if self._auto_budget is None:
             costs = self.verify_costs()
-            tau = self.drafter.expected_tau(len(costs) - 2)
-            best, best_rate = 0, 0.0
-            for budget in range(0, len(costs) - 1):
-                if tau[budget] / costs[budget + 1] > best_rate:
-                    best, best_rate = budget, tau[budget] / costs[budget + 1]
-            self._auto_budget = best
+            self._auto_budget = budget_timing.best_budget(self.drafter.expected_tau(len(costs) - 2), costs)
         return self._auto_budget
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 # ---------------------------------------------------------------------------------------------------

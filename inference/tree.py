@@ -202,7 +202,7 @@ def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
     return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup)
 
 
-def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool | None = None,
+def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool = True,
                    match_lengths: Sequence[int] | None = None) -> Tree:
     """`tree` with token chains (host ints) hung under its root, at most `max_new` new nodes in all.
 
@@ -211,12 +211,10 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
     reads the tree on the host. share=False: the branches are appended after the tree's nodes as they are
     (sharing prefixes only among themselves), with no host read, so a GPU step keeps its single sync; a
     branch that repeats tree nodes costs verify rows that are nearly free there, and verification handles
-    the repeated siblings. None: share on a CPU only. Either way parents precede children.
+    the repeated siblings (the generator's `Platform.host_reads` decides). Either way parents precede children.
     match_lengths ([len(branches)], default 1 each): the n-gram length behind each branch, recorded in the
     result's `lookup` for every node on the branch (new or shared); new nodes get a NaN score.
     """
-    if share is None:
-        share = tree.tokens.device.type == "cpu"
     if match_lengths is None:
         match_lengths = [1] * len(branches)
     if share:

@@ -241,3 +241,34 @@ def test_auto_budget_on_a_cpu_trims_and_stays_exact():
 def _record(trimmed, sizes):
     sizes.append(trimmed[0].size)
     return trimmed
+
+
+def test_the_platform_decides_once_what_a_step_may_read_on_the_host():
+    """A generator decides its CPU-versus-GPU behaviour when built (`Platform`) and hands it down: on a GPU-like
+    platform the auto budget is not trimmed per step and the lookup's branch is appended, not merged (no host
+    read of the tree), and the output is still the target's."""
+    from dataclasses import replace
+
+    from inference.budget import Platform
+
+    model = float64_model("llama", seed=4)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    seen = []
+
+    class Watching(HybridDrafter):
+        def draft(self, ctx):
+            seen.append((ctx.host_reads, ctx.trimmed))
+            return super().draft(ctx)
+
+    gen = SpeculativeGenerator(model, tiny_tokenizer(), Watching(HeadsDrafter(random_heads(model, "chained", 3),
+                                                                            model), lookup_nodes=2))
+    assert gen.platform == Platform.for_device("cpu") and gen.platform.host_trim and gen.platform.host_reads
+    want = greedy_reference(model, prompt, 16, eos_token_id=[]).tolist()
+    assert gen.generate(prompt, max_new_tokens=16, eos_token_id=[]).token_ids.tolist() == want
+    assert set(seen) == {(True, True)}
+    seen.clear()
+    gen.platform = replace(gen.platform, host_trim=False, host_reads=False)  # as Platform.for_device("cuda")
+    assert gen.generate(prompt, max_new_tokens=16, eos_token_id=[]).token_ids.tolist() == want
+    assert set(seen) == {(False, False)}
+    cuda = Platform.for_device("cuda")
+    assert not cuda.host_trim and not cuda.host_reads and max(cuda.lengths) == 96

@@ -13,7 +13,8 @@ from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, load_topk_accuracy
-from inference.generate import AUTO_BUDGET_LENGTHS_CPU, main
+from inference.budget import LENGTHS_CPU as AUTO_BUDGET_LENGTHS_CPU
+from inference.generate import main
 from inference.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve, select_dynamic_tree,
                             static_tree_search, topology_from_paths, tree_attention_mask, tree_position_ids)
 

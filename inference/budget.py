@@ -1,0 +1,124 @@
+"""What a step may cost: the target's verify timings, the tree budget they imply, and the CPU-versus-GPU choices.
+
+`Platform.for_device` decides once, when a generator is built, how the engine behaves where it runs; the
+generator hands the decision down (to the drafters through `DraftContext.host_reads`) instead of every module
+testing the device. `verify_seconds` times the target's forward over 1..L tree rows after a prefix, once per
+target (generators on one target share it, so they choose from the same numbers); `verify_costs` interpolates
+them to every row count; `best_budget` picks the draft-node budget with the most expected tokens per second
+of verify.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference.kv import crop_cache, new_cache
+from inference.tree import tree_from_parents
+from inference.verify import target_forward, verify_tree
+
+# every length up to 16 on a CPU: the cost is a staircase there (MKL: 69 ms for 8 tokens, 80 for 10)
+LENGTHS_CPU = tuple(range(1, 17)) + (24, 32)
+LENGTHS_GPU = (1, 2, 4, 8, 16, 32, 64, 96)
+PREFIX = 128  # prefix length the verify timings are taken at
+# target -> {rows: seconds}: separate measurements differ by machine noise, so generators share one
+_VERIFY_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The engine's device-dependent choices, made once.
+
+    host_trim: with the auto budget, each step keeps only the drafted nodes worth their verify rows
+        (`inference.calibrate`): on a CPU every row costs time, and reading how many to keep is a host read
+        that a CPU makes for free; on a GPU rows are nearly free up to tens and the read would be a sync.
+    host_reads: drafters may read the tree on the host (HybridDrafter merges the lookup's branch into the
+        heads' nodes); on a GPU they append it as is and the step keeps its single sync.
+    lengths: the row counts the verify timings are taken at.
+    """
+
+    device: torch.device
+    host_trim: bool
+    host_reads: bool
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> Platform:
+        device = torch.device(device)
+        cpu = device.type == "cpu"
+        return cls(device, host_trim=cpu, host_reads=cpu, lengths=LENGTHS_CPU if cpu else LENGTHS_GPU)
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (timing on CUDA); nothing on a CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = None) -> dict[int, float]:
+    """Seconds per target forward over n tree rows after a `PREFIX`-token prefix, n in `platform.lengths`,
+    measured once per target (the least disturbed of 5 runs, round-robin over lengths so a burst of noise hits
+    them all alike) and shared; `forget_verify_seconds` measures again. `limit`: the target's context."""
+    times = _VERIFY_SECONDS.get(target)
+    if times is not None:
+        return times
+    lengths = platform.lengths
+    vocab = target.get_output_embeddings().weight.shape[0]
+    prefix_len = max(1, min(PREFIX, (limit or 1 << 30) - max(lengths)))
+    ids = (torch.arange(prefix_len + max(lengths), device=platform.device) * 31 + 7) % vocab
+    trees = {n: _chain(ids[prefix_len:prefix_len + n]) for n in lengths}
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
+    with torch.inference_mode():
+        cache = new_cache()
+        target_forward(target, ids[None, :prefix_len], cache)
+        for rep in range(6):
+            for n in lengths:
+                platform.sync()
+                t0 = time.perf_counter()
+                verify_tree(target, cache, trees[n])
+                platform.sync()
+                if rep > 0:  # the first round warms up
+                    samples[n].append(time.perf_counter() - t0)
+                crop_cache(cache, prefix_len)
+    times = {n: min(samples[n]) for n in lengths}
+    running = 0.0
+    for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
+        running = times[n] = max(times[n], running)
+    _VERIFY_SECONDS[target] = times
+    return times
+
+
+def _chain(tokens: torch.Tensor):
+    n = tokens.shape[0]
+    idx = torch.arange(n, device=tokens.device)
+    return tree_from_parents(tokens, (idx - 1).clamp_min(0), idx, n - 1)
+
+
+def forget_verify_seconds(target: nn.Module) -> None:
+    _VERIFY_SECONDS.pop(target, None)
+
+
+def verify_costs(times: dict[int, float]) -> list[float]:
+    """costs[n]: seconds of a verify over n rows, n = 0..the longest timed (costs[0] = 0), linear between the
+    timed lengths."""
+    lengths = sorted(times)
+    costs = [0.0]
+    for n in range(1, max(lengths) + 1):
+        hi = next(length for length in lengths if length >= n)
+        lo = max(length for length in lengths if length <= n)
+        costs.append(times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo))
+    return costs
+
+
+def best_budget(expected_tau: Sequence[float], costs: Sequence[float]) -> int:
+    """The draft-node budget b maximising expected tokens per step over the verify of its b + 1 rows."""
+    best, best_rate = 0, 0.0
+    for budget in range(0, len(costs) - 1):
+        rate = expected_tau[budget] / costs[budget + 1]
+        if rate > best_rate:
+            best, best_rate = budget, rate
+    return best
