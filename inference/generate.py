@@ -11,6 +11,7 @@ previous step (or at prefill), and is emitted as soon as it is decided.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -65,6 +66,16 @@ class PhaseClock:
 
 def _no_lap(phase: str) -> None:
     pass
+
+
+def _is_int(x: Any) -> bool:
+    """An integer, not a bool (True would otherwise count as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    """A real number, not a bool; NaN passes here and fails the range checks."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class UnsupportedModelError(ValueError):
@@ -271,7 +282,11 @@ class SpeculativeGenerator:
             raise ValueError(f"generate takes one prompt at a time, got a list of {len(prompt)} strings: call "
                              "generate once per prompt")
         else:
-            input_ids = torch.as_tensor(prompt, dtype=torch.long)
+            given = torch.as_tensor(prompt)
+            if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+                raise ValueError(f"prompt token ids must be integers, got a tensor of {given.dtype}: pass "
+                                 "input_ids as a long tensor (or a list of ints), or the text itself")
+            input_ids = given.to(torch.long)
             if input_ids.dim() == 1:
                 input_ids = input_ids[None]
             if input_ids.dim() != 2:
@@ -373,12 +388,14 @@ class SpeculativeGenerator:
         their verify rows, `inference.calibrate`, so a step with no likely draft verifies its root alone).
         `streamer` follows the transformers protocol (`put` the prompt, then new tokens; `end`).
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not _is_number(temperature) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
         tree = "static" if tree == "auto" else tree
@@ -441,7 +458,7 @@ class SpeculativeGenerator:
         if tree_budget == "auto":
             costs = self.verify_costs() if self.platform.host_trim and isinstance(tree, str) else None
             return self.auto_tree_budget(), costs
-        if isinstance(tree_budget, int) and tree_budget >= 0:
+        if _is_int(tree_budget) and tree_budget >= 0:
             return tree_budget, None
         raise ValueError(f"tree_budget must be 'auto' or an int >= 0 (draft nodes per step), got {tree_budget!r}")
 

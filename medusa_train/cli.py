@@ -1,7 +1,9 @@
 """`python train.py RECIPE [key=value ...] [--dry-run]` (or `accelerate launch train.py ...`).
 
-Bad input (a config, data or target problem) prints one line `error: ...` on stderr and exits with
-code 2; the recipe and the data files are checked before any model is loaded.
+Exit codes: 0 the run finished (heads saved); 2 bad input (a config, data or target problem: one line
+`error: ...` on stderr; the recipe and the data files are checked before any model is loaded); 75 (EX_TEMPFAIL,
+"try again") a signal stopped the run after it saved a checkpoint: rerun the same command and `resume: auto`
+continues, so a scheduler can requeue on 75 and tell it from a finished run.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving a checkpoint; rerun to resume
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 2 bad input)."""
+    """Entry point; returns the exit code (0 finished, 2 bad input, 75 stopped by a signal: resume)."""
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from .trainer import train
 
-        train(cfg)
+        if train(cfg).stopped:
+            return EXIT_STOPPED
     except ConfigError as e:  # includes DataError and TargetLoadError
         print(f"error: {e}", file=sys.stderr)
         return 2

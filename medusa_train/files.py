@@ -47,12 +47,25 @@ def is_heads_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG_NAME).is_file() and (Path(path) / WEIGHTS_NAME).is_file()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# the permissions a file created the ordinary way gets (safetensors writes its files 0600: private to their owner,
+# so another user of a shared machine could not load the heads)
+FILE_MODE = 0o666 & ~_umask()
+
+
 def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> None:
-    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file."""
+    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file; the file gets
+    the ordinary permissions (`FILE_MODE`), whatever the writer created it with."""
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, final)
     finally:
         if tmp.exists():

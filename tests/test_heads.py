@@ -59,3 +59,15 @@ def test_export_refuses_heads_it_cannot_represent(tmp_path):
     target = tiny_model("llama")
     with pytest.raises(ValueError, match="heads.block=mlp_speculator"):
         DraftHeads.for_target(target, "chained", 2).export_mlp_speculator(tmp_path, target)
+
+
+def test_saved_heads_are_readable_by_others_like_any_new_file(tmp_path):
+    """safetensors creates its files 0600; the heads (and every atomic write) get what an ordinary new file gets."""
+    import os
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    want = os.stat(plain).st_mode & 0o777
+    DraftHeads.for_target(tiny_model("llama"), "chained", 2).save_pretrained(tmp_path / "heads")
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(tmp_path / "heads" / name).st_mode & 0o777 == want, name

@@ -67,6 +67,15 @@ def test_over_long_prompt_is_refused_before_generating(gen):
     (dict(tree="bushy"), "tree"),
     (dict(tree_budget=-2), "tree_budget"),
     (dict(tree=[(0,), (-1,)]), "rank"),
+    # numbers that are not what they claim: each was accepted before (nan sampled token 0 forever, True meant 1)
+    (dict(temperature=float("nan")), r"temperature must be a finite number >= 0 .*got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a number in"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an int >= 0, got True"),
+    (dict(max_new_tokens=4.0), "max_new_tokens must be an int"),
+    (dict(tree_budget=True), "tree_budget must be 'auto' or an int"),
+    (dict(temperature=True), "temperature must be a finite number"),
+    (dict(seed=1.5), "seed must be an int or None"),
 ])
 def test_bad_arguments(gen, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -74,6 +83,9 @@ def test_bad_arguments(gen, kwargs, match):
 
 
 def test_bad_prompts(gen):
+    for floats in (torch.tensor([[1.0, 2.7, 3.0]]), [1.5, 2.0], torch.tensor([[True, False]])):
+        with pytest.raises(ValueError, match="prompt token ids must be integers"):  # was truncated to ints
+            gen.generate(floats, max_new_tokens=2)
     with pytest.raises(ValueError, match="vocabulary"):
         gen.generate(torch.tensor([[1, 9999]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="empty"):
