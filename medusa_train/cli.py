@@ -1,6 +1,7 @@
 """`python train.py RECIPE [key=value ...] [--dry-run]` (or `accelerate launch train.py ...`).
 
-Exit codes: 0 the run finished (heads saved); 2 bad input (a config, data or target problem: one line
+Exit codes: 0 the run finished (heads saved); 1 the run diverged (non-finite gradients or weights; the last
+checkpoint is kept); 2 bad input (a config, data or target problem: one line
 `error: ...` on stderr; the recipe and the data files are checked before any model is loaded); 75 (EX_TEMPFAIL,
 "try again") a signal stopped the run after it saved a checkpoint: rerun the same command and `resume: auto`
 continues, so a scheduler can requeue on 75 and tell it from a finished run.
@@ -12,6 +13,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
+from .errors import TrainingDiverged
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving a checkpoint; rerun to resume
 
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # includes DataError and TargetLoadError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -123,6 +123,10 @@ class TrainConfig:
     """Checkpoint every this-many steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Rotate `output_dir/checkpoints/step-N`, keeping the newest this-many."""
+    max_nonfinite_steps: int = 10
+    """An optimizer step whose gradient norm is not finite (a NaN or infinite loss or gradient) is skipped: no
+    update, counted in `train/skipped_steps`. This many in a row stop the run with exit code 1, keeping the last
+    checkpoint (0: never stop). Heads with non-finite weights are never saved."""
     cache_hidden: bool = False
     """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
     epoch after the first skips the target forward (costs d x 4 bytes per token: for small targets and
@@ -416,6 +420,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     need(t.save_every >= 0, f"train.save_every must be >= 0 (0: only at the end), got {t.save_every}")
     need(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    need(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0 (0: never stop), got "
+                                     f"{t.max_nonfinite_steps}")
 
     lo = cfg.loss
     need(lo.distill_weight >= 0, f"loss.distill_weight must be >= 0, got {lo.distill_weight}")

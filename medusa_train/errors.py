@@ -1,5 +1,5 @@
 """The errors a user can fix. Each message is one line that names the key, flag or file and the fix; every
-CLI turns them into `error: ...` on stderr and exit code 2."""
+CLI turns them into `error: ...` on stderr and exit code 2 (a diverged run: 1)."""
 
 
 class ConfigError(ValueError):
@@ -8,3 +8,8 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """The dataset cannot be used as configured. The message names `data.dataset` or the key to change."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped: too many optimizer steps in a row had a non-finite gradient norm, or the heads' weights are
+    not finite. Nothing was saved over the last checkpoint."""

@@ -443,7 +443,12 @@ class DraftHeads(nn.Module):
         if target is not None:
             check_fingerprint(spec.target_fingerprint, target, spec.target_name)
         heads = cls(spec)
-        heads.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        state = load_file(str(path / WEIGHTS_NAME))
+        bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise ValueError(f"{path / WEIGHTS_NAME} holds non-finite weights ({bad[0]}): these heads diverged in "
+                             "training; use an earlier checkpoint or retrain with a lower train.lr")
+        heads.load_state_dict(state)
         return heads.to(device=device, dtype=dtype) if (device or dtype) else heads
 
     def export_mlp_speculator(self, directory: str | os.PathLike, target: nn.Module) -> None:

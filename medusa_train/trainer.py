@@ -33,6 +33,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from .config import Config, ConfigError
+from .errors import TrainingDiverged
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
@@ -186,6 +187,8 @@ class Meter:
         self.tokens = torch.zeros((), device=device, dtype=torch.long)
         self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step
         self.micro_steps = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm, since the run started
+        self.nonfinite_in_a_row = 0
         self.restart_clock()
 
     def add(self, loss: torch.Tensor, stats: torch.Tensor, attention_mask: torch.Tensor) -> None:
@@ -207,7 +210,8 @@ class Meter:
         row = {f"train/{k}": v for k, v in summarize(stats, cfg.loss).items()}
         row.update({"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(self.grad_norm),
                     "train/tokens_per_s": tokens / (time.perf_counter() - self.t0),
-                    "train/epoch": position["epoch"], "train/tokens": position["tokens"]})
+                    "train/epoch": position["epoch"], "train/tokens": position["tokens"],
+                    "train/skipped_steps": self.skipped_steps})
         self.stats.zero_(), self.loss.zero_(), self.tokens.zero_()
         self.micro_steps = 0
         self.restart_clock()
@@ -398,9 +402,11 @@ def resume(run: Run) -> None:
 # The loop
 
 
-def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> None:
-    """Forward and backward of one micro-batch; on a sync step also clip and step the optimizer."""
+def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> bool:
+    """Forward and backward of one micro-batch; on a sync step also clip and step the optimizer, unless the
+    gradient norm is not finite: that step is skipped. Returns False for a skipped step."""
     accelerator = run.accelerator
+    finite = True
     with accelerator.accumulate(run.objective):
         h, greedy = run.states(batch)  # no grad; read from the cache after the first epoch when it is on
         h = h.to(run.embed.weight.dtype)  # a no-op unless target.forward_dtype differs
@@ -410,9 +416,13 @@ def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> None:
         if accelerator.sync_gradients:
             meter.grad_norm = accelerator.clip_grad_norm_(run.objective.parameters(),
                                                           run.cfg.train.max_grad_norm or float("inf"))
-        run.optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
+            # one host read per optimizer step (torch's GradScaler makes the same one to skip a step)
+            finite = bool(torch.isfinite(meter.grad_norm))
+        if finite:
+            run.optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
         run.optimizer.zero_grad(set_to_none=True)
     meter.add(loss, stats, batch["attention_mask"])
+    return finite
 
 
 def train_loop(run: Run) -> bool:
@@ -430,15 +440,16 @@ def train_loop(run: Run) -> bool:
             run.train_dl.set_epoch(position["epoch"])
             skip = position["batch_in_epoch"]
             for batch in accelerator.skip_first_batches(run.train_dl, skip) if skip else run.train_dl:
-                micro_step(run, batch, meter)
+                finite = micro_step(run, batch, meter)
                 position["batch_in_epoch"] += 1
                 if not accelerator.sync_gradients:
                     continue
-                # -- one optimizer step done ----------------------------------------------------------------
+                # -- one optimizer step done (or skipped) ---------------------------------------------------
                 run.scheduler.step()
                 position["step"] += 1
                 step, last = position["step"], position["step"] >= run.total_steps
                 bar.update(1)
+                count_nonfinite(run, meter, finite, step)
                 if step % cfg.train.log_every == 0 or last:
                     row = meter.row(accelerator, cfg, position, run.scheduler.get_last_lr()[0])
                     log_row(accelerator, cfg, step, row)
@@ -451,6 +462,8 @@ def train_loop(run: Run) -> bool:
                     meter.restart_clock()
                 stop.requested = all_agree_to_stop(accelerator, stop.requested)
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
+                    with full_params(accelerator, run.objective):
+                        check_finite(run.heads, step)  # a checkpoint of garbage would rotate out a good one
                     save_checkpoint(accelerator, cfg, position)
                     meter.restart_clock()
                 if last or stop.requested:
@@ -462,6 +475,33 @@ def train_loop(run: Run) -> bool:
     bar.close()
     run.states.flush()
     return stop.requested
+
+
+def count_nonfinite(run: Run, meter: Meter, finite: bool, step: int) -> None:
+    """Count a skipped step; `train.max_nonfinite_steps` of them in a row stop the run (TrainingDiverged)."""
+    if finite:
+        meter.nonfinite_in_a_row = 0
+        return
+    meter.skipped_steps += 1
+    meter.nonfinite_in_a_row += 1
+    limit = run.cfg.train.max_nonfinite_steps
+    run.accelerator.print(f"step {step}: gradient norm {float(meter.grad_norm)}: update skipped "
+                          f"({meter.nonfinite_in_a_row} in a row)")
+    if limit and meter.nonfinite_in_a_row >= limit:
+        last = latest_checkpoint(run.cfg.output_dir)
+        raise TrainingDiverged(
+            f"training diverged: {limit} optimizer steps in a row (to step {step}) had a non-finite gradient norm; "
+            f"stopped without saving. The last checkpoint is {last or 'none'}: lower train.lr (now "
+            f"{run.cfg.train.lr:g}) or check the data, then resume from it (resume=PATH) or start over")
+
+
+def check_finite(heads: DraftHeads, step: int) -> None:
+    """TrainingDiverged unless every head weight is finite (checked before anything is saved)."""
+    bad = [name for name, p in heads.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise TrainingDiverged(f"training diverged: at step {step} the heads' weights are not finite ({bad[0]}"
+                               f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); nothing was saved: lower "
+                               "train.lr and resume from the last checkpoint, or start over")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -487,6 +527,8 @@ def finish(run: Run, stopped: bool) -> TrainResult:
     split, batches = ("eval", run.eval_dl) if run.eval_dl is not None else ("train", run.train_dl)
     if run.eval_dl is None:
         accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
+    with full_params(accelerator, run.objective):
+        check_finite(run.heads, position["step"])
     metrics, acceptance = evaluate_heads(run, batches)
     if accelerator.is_main_process:
         training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -545,3 +546,66 @@ def test_the_optimizer_sees_gradients_clipped_to_max_grad_norm(ws, monkeypatch):
     assert max(clipped) <= 0.01 * (1 + 1e-4) and min(norms) > 0.05
     logged = [r["train/grad_norm"] for r in read_jsonl(ws / "clip" / "metrics.jsonl") if "train/grad_norm" in r]
     assert logged and min(logged) > 0.05
+
+
+def nan_on_calls(monkeypatch, bad: set[int]) -> list[int]:
+    """Make the training objective return a NaN loss on the given calls (0-based); returns the call counter."""
+    from medusa_train.losses import HeadsObjective
+
+    calls = [0]
+    real = HeadsObjective.forward
+
+    def forward(self, *a, **k):
+        loss, stats = real(self, *a, **k)
+        calls[0] += 1
+        return (loss * float("nan"), stats) if calls[0] - 1 in bad else (loss, stats)
+
+    monkeypatch.setattr(HeadsObjective, "forward", forward)
+    return calls
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_counted(ws, monkeypatch):
+    """A NaN loss makes a NaN gradient: that optimizer step changes nothing and is counted; training goes on and
+    the saved heads are finite."""
+    nan_on_calls(monkeypatch, {2, 3})
+    result = train(config(ws, "skip", "train.max_steps=8", "eval.every=0", "train.log_every=1"))
+    assert result.step == 8
+    rows = [r for r in read_jsonl(ws / "skip" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["train/skipped_steps"] for r in rows] == [0, 0, 1, 2, 2, 2, 2, 2]
+    assert math.isnan(rows[2]["train/grad_norm"]) and math.isfinite(rows[4]["train/loss"])
+    weights = load_file(str(ws / "skip" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_a_diverging_run_stops_with_exit_1_and_keeps_its_last_checkpoint(ws, monkeypatch, capsys):
+    """Non-finite gradients from step 5 on: after train.max_nonfinite_steps of them the run stops with one line
+    and exit code 1, without saving heads or a checkpoint over the last good one (step 4)."""
+    from medusa_train.cli import main
+
+    nan_on_calls(monkeypatch, set(range(4, 100)))
+    out = ws / "diverged"
+    code = main([str(ws / "base.yaml"), f"output_dir={out}", "train.max_steps=20", "train.save_every=4",
+                 "train.max_nonfinite_steps=3", "eval.every=0"])
+    errors = re.findall(r"error: [^\r\n]*", capsys.readouterr().err)  # (stderr also holds the progress bars)
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith("error: training diverged: 3 optimizer steps in a row (to step 7)")
+    assert "lower train.lr" in errors[0] and "step-4" in errors[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
+    assert not (out / "model.safetensors").exists()
+
+
+def test_heads_with_non_finite_weights_are_refused(ws, run20, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cfg, result = run20
+    bad = tmp_path / "bad-heads"
+    shutil.copytree(cfg.output_dir, bad, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(k for k, v in weights.items() if v.is_floating_point() and v.numel())
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"non-finite weights \\({name}\\).*lower train.lr"):
+        DraftHeads.from_pretrained(bad, target=result.target)
