@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from .config import Config, ConfigError
 from .errors import TrainingDiverged
+from .files import atomic_write_text
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
@@ -197,6 +198,12 @@ class Meter:
         self.tokens += attention_mask.sum()
         self.micro_steps += 1
 
+    def bank_tokens(self, accelerator, position: dict[str, int]) -> None:
+        """Add the tokens seen since the last log to `position`, which a checkpoint keeps, and count afresh (a run
+        resumed from a step between two logs would otherwise lose them)."""
+        position["tokens"] += int(accelerator.reduce(self.tokens, "sum"))
+        self.tokens.zero_()
+
     def restart_clock(self) -> None:
         """tokens/s measures training only: restart after evaluating or saving."""
         self.t0 = time.perf_counter()
@@ -343,7 +350,11 @@ def setup(cfg: Config) -> Run:
     the newest checkpoint if `cfg.resume` says so."""
     from accelerate.utils import set_seed
 
+    ckpt = resume_checkpoint(cfg)
+    allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     accelerator = setup_accelerator(cfg)
+    for change in allowed:
+        accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
     if accelerator.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
@@ -380,21 +391,62 @@ def setup(cfg: Config) -> Run:
     setup_tracking(accelerator, cfg)
     run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
               scheduler, train_dl, eval_dl, total_steps)
-    resume(run)
+    resume(run, ckpt)
     return run
 
 
-def resume(run: Run) -> None:
-    """Restore heads, optimizer, scheduler, sampler and RNG from the checkpoint `cfg.resume` names (`auto`: the
-    newest complete one, if any), and the data position."""
-    cfg = run.cfg
-    ckpt = None if cfg.resume == "none" else latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" \
-        else Path(cfg.resume)
+# Keys a resumed run may change: they decide how long it runs and what it logs or keeps, never the math of a step
+# (a changed max_steps or epochs changes where the schedule ends, which is what asking for more steps means).
+RESUMABLE_CHANGES = ("output_dir", "resume", "train.max_steps", "train.epochs", "train.log_every", "train.save_every",
+                     "train.keep_checkpoints", "train.max_nonfinite_steps", "train.cache_hidden",
+                     "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.", "tracking.")
+
+
+def resume_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint `cfg.resume` names (`auto`: the newest complete one, if any)."""
+    if cfg.resume == "none":
+        return None
+    return latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else Path(cfg.resume)
+
+
+def check_resumable(cfg: Config, ckpt: Path) -> list[str]:
+    """The settings this run changes from the checkpoint's recipe. Any change outside RESUMABLE_CHANGES raises
+    ConfigError naming every such key with both values and the ways on; the allowed ones are returned."""
+    saved_path = ckpt / RECIPE_NAME
+    if not saved_path.is_file():
+        return []
+    flat_saved, flat_now = _flatten(yaml.safe_load(saved_path.read_text()) or {}), _flatten(cfg.to_dict())
+    changed = [k for k in flat_now if k in flat_saved and flat_saved[k] != flat_now[k]]
+    refused = [k for k in changed if not any(k == a or (a.endswith(".") and k.startswith(a))
+                                            for a in RESUMABLE_CHANGES)]
+    if refused:
+        diffs = "; ".join(f"{k}={flat_now[k]!r} (the checkpoint has {flat_saved[k]!r})" for k in refused)
+        raise ConfigError(f"resume: {ckpt} was trained with other settings: {diffs}. Resume with the checkpoint's "
+                          f"values, or start a new run: resume=none (from trained heads: heads.init_from=DIR)")
+    return [f"{k}: {flat_saved[k]!r} -> {flat_now[k]!r}" for k in changed]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume(run: Run, ckpt: Path | None) -> None:
+    """Restore heads, optimizer, scheduler, sampler and RNG from `ckpt`, and the data position."""
     if ckpt is None:
         return
     run.accelerator.load_state(str(ckpt))
     run.position = json.loads((ckpt / TRAINER_STATE).read_text())
     p = run.position
+    metrics = Path(run.cfg.output_dir) / METRICS_NAME
+    if run.accelerator.is_main_process and metrics.is_file():  # rows logged after the checkpoint are logged again
+        rows = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= p["step"]]
+        atomic_write_text(metrics, "".join(f"{line}\n" for line in rows))
     run.accelerator.print(f"resumed from {ckpt} at step {p['step']} (epoch {p['epoch']}, batch {p['batch_in_epoch']})")
 
 
@@ -464,6 +516,7 @@ def train_loop(run: Run) -> bool:
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
                     with full_params(accelerator, run.objective):
                         check_finite(run.heads, step)  # a checkpoint of garbage would rotate out a good one
+                    meter.bank_tokens(accelerator, position)
                     save_checkpoint(accelerator, cfg, position)
                     meter.restart_clock()
                 if last or stop.requested:

@@ -609,3 +609,42 @@ def test_heads_with_non_finite_weights_are_refused(ws, run20, tmp_path):
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=f"non-finite weights \\({name}\\).*lower train.lr"):
         DraftHeads.from_pretrained(bad, target=result.target)
+
+
+def test_resume_refuses_a_recipe_that_changes_the_math_and_allows_the_rest(ws, capsys):
+    """A changed lr (or batch size, data, heads, loss, seed...) would be silently ignored or mixed into the run:
+    it is refused before any model loads, every such key named with both values. Logging, saving and a longer
+    run are allowed, and printed."""
+    from medusa_train.config import ConfigError
+
+    train(config(ws, "resumable", "train.max_steps=4", "train.save_every=2", "eval.every=0"))
+    with pytest.raises(ConfigError) as err:
+        train(config(ws, "resumable", "train.max_steps=8", "train.lr=2.0e-3", "train.batch_size=2", "loss.decay=0.5"))
+    msg = str(err.value)
+    assert "train.lr=0.002 (the checkpoint has 0.003)" in msg and "train.batch_size=2 (the checkpoint has 4)" in msg
+    assert "loss.decay=0.5 (the checkpoint has 0.8)" in msg and "resume=none" in msg and "\n" not in msg
+    capsys.readouterr()
+    result = train(config(ws, "resumable", "train.max_steps=6", "train.log_every=1", "eval.every=0"))
+    assert result.step == 6
+    out = capsys.readouterr().out
+    assert "resume: changed since the checkpoint (allowed): train.max_steps: 4 -> 6" in out
+    assert "train.log_every: 5 -> 1" in out
+
+
+def test_a_resumed_run_counts_every_token_once_and_logs_every_step_once(ws):
+    """Resumed from a checkpoint between two log steps: train/tokens equals the uninterrupted run's (the tokens
+    since the last log travel in the checkpoint), and the rows logged after that checkpoint, before the crash,
+    are not repeated."""
+    common = ("train.max_steps=7", "train.save_every=3", "train.keep_checkpoints=5", "eval.every=0")
+    train(config(ws, "count-ref", *common))
+    ref = [r for r in read_jsonl(ws / "count-ref" / "metrics.jsonl") if "train/loss" in r]
+    train(config(ws, "count", *common))
+    out = ws / "count"
+    shutil.rmtree(out / "checkpoints" / "step-7")  # as if killed after logging step 7, before its checkpoint
+    (out / "model.safetensors").unlink()
+    train(config(ws, "count", *common))
+    rows = read_jsonl(out / "metrics.jsonl")
+    kinds = [(r["step"], "train/loss" in r) for r in rows]  # the final eval shares the last step with a train row
+    assert kinds == [(r["step"], "train/loss" in r) for r in read_jsonl(ws / "count-ref" / "metrics.jsonl")]
+    got = [r for r in rows if "train/loss" in r]
+    assert [r["train/tokens"] for r in got] == [r["train/tokens"] for r in ref]
