@@ -352,6 +352,7 @@ def setup(cfg: Config) -> Run:
 
     ckpt = resume_checkpoint(cfg)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
+    check_before_loading(cfg)
     accelerator = setup_accelerator(cfg)
     for change in allowed:
         accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
@@ -400,6 +401,79 @@ def setup(cfg: Config) -> Run:
 RESUMABLE_CHANGES = ("output_dir", "resume", "train.max_steps", "train.epochs", "train.log_every", "train.save_every",
                      "train.keep_checkpoints", "train.max_nonfinite_steps", "train.cache_hidden",
                      "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.", "tracking.")
+
+
+def check_writable(path: Path, key: str) -> None:
+    """ConfigError unless `path` is (or can be made) a directory this process can write: a real probe write."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path} is a file, not a directory: point {key} at a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}={path} cannot be written ({e.strerror}): choose a directory you can write, "
+                          "or fix its permissions") from None
+
+
+def head_parameters(cfg: Config) -> int | None:
+    """How many parameters the recipe's heads have, counted on heads built on the meta device from the target's
+    config (None if the config cannot be read)."""
+    from transformers import AutoConfig
+
+    from .heads import HeadsSpec
+
+    try:
+        kw = {"trust_remote_code": cfg.target.trust_remote_code}
+        if cfg.target.gguf_file:
+            kw["gguf_file"] = cfg.target.gguf_file
+        text = AutoConfig.from_pretrained(cfg.target.model, **kw)
+        text = text.get_text_config() if hasattr(text, "get_text_config") else text
+        h = cfg.heads
+        spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                         layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
+                         own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
+                         context_layers=h.context_layers)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in DraftHeads(spec).parameters())
+    except Exception:  # noqa: BLE001 - no readable config: loading the model will say why
+        return None
+    return n
+
+
+def max_positions(cfg: Config) -> int | None:
+    from transformers import AutoConfig
+
+    try:
+        kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+        config = AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
+    except Exception:  # noqa: BLE001 - loading the model will say why
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_before_loading(cfg: Config) -> None:
+    """What would otherwise fail after the work: directories that cannot be written (found at the first write, an
+    epoch in), a disk too full for the checkpoints, sequences longer than the target's positions."""
+    out = Path(cfg.output_dir)
+    check_writable(out, "output_dir")
+    if cfg.train.hidden_cache_dir:
+        check_writable(Path(cfg.train.hidden_cache_dir), "train.hidden_cache_dir")
+    n = head_parameters(cfg)
+    # a checkpoint holds float32 weights and AdamW's two moments (12 bytes a parameter), one more exists while the
+    # newest is written, and the final heads take 4
+    need = None if n is None else 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
+    free = shutil.disk_usage(out).free
+    if need is not None and free < need:
+        raise ConfigError(f"output_dir={out}: {free / 2**30:.2f} GiB free, but {cfg.train.keep_checkpoints} "
+                          f"checkpoints and the heads need about {need / 2**30:.2f} GiB: free some space, lower "
+                          "train.keep_checkpoints, or write elsewhere")
+    positions = max_positions(cfg)
+    if positions is not None and cfg.data.max_length > positions:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} exceeds the target's {positions} positions "
+                          f"(max_position_embeddings): set data.max_length <= {positions}")
 
 
 def resume_checkpoint(cfg: Config) -> Path | None:

@@ -648,3 +648,35 @@ def test_a_resumed_run_counts_every_token_once_and_logs_every_step_once(ws):
     assert kinds == [(r["step"], "train/loss" in r) for r in read_jsonl(ws / "count-ref" / "metrics.jsonl")]
     got = [r for r in rows if "train/loss" in r]
     assert [r["train/tokens"] for r in got] == [r["train/tokens"] for r in ref]
+
+
+def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatch):
+    """An output directory that cannot be written, a disk too small for the checkpoints, sequences longer than the
+    target's positions: each a one-line ConfigError before any model loads (with save_every=0 an unwritable
+    output_dir used to surface only after the whole run, at its first write)."""
+    import medusa_train.trainer as trainer
+    from medusa_train.config import ConfigError
+
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"^output_dir=.*a-file is a file, not a directory"):
+        train(config(ws, "x", f"output_dir={blocker}"))
+    with pytest.raises(ConfigError, match=r"^output_dir=.*cannot be written \(Not a directory\)"):
+        train(config(ws, "x", f"output_dir={blocker / 'sub'}"))
+    with pytest.raises(ConfigError, match=r"^train.hidden_cache_dir=.*is a file"):
+        train(config(ws, "x", f"train.hidden_cache_dir={blocker}"))
+    with pytest.raises(ConfigError, match=r"^data.max_length=600 exceeds the target's 512 positions"):
+        train(config(ws, "x", "data.max_length=600"))
+    n = trainer.head_parameters(config(ws, "x"))  # counted without loading the target
+    assert n == sum(p.numel() for p in DraftHeads.for_target(_tiny_target(ws), "chained", 3).parameters())
+    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    with pytest.raises(ConfigError, match=r"GiB free, but 2 checkpoints and the heads need about .* lower "
+                                          "train.keep_checkpoints"):
+        train(config(ws, "x"))
+
+
+def _tiny_target(ws):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ws / "model")
