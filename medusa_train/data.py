@@ -197,6 +197,16 @@ _NO_REPLY = "no assistant reply"
 _TRUNCATED = "first assistant reply starts beyond data.max_length"
 
 
+def _unended(ids: list[int], labels: list[int], end_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+    """A last reply that stopped at the token budget (distillation's `finish: length`) keeps its text but not the
+    end-of-turn token the template renders after it: the target never wrote it there, and heads taught it would
+    learn that a reply ends wherever a budget ran out."""
+    last = max((t for t, x in enumerate(labels) if x != IGNORE_INDEX), default=None)
+    if last is not None and ids[last] in end_ids:
+        return ids[:last], labels[:last]
+    return ids, labels
+
+
 def _chat_batch(batch, tokenizer, max_length: int):
     keys = list(batch)
     out: dict[str, list] = {"input_ids": [], "labels": [], "n_sup": [], "drop_reason": []}
@@ -213,6 +223,8 @@ def _chat_batch(batch, tokenizer, max_length: int):
             else:
                 enc = tokenize_chat(msgs, tokenizer, max_length, end_ids)
                 ids, labels = enc["input_ids"], enc["labels"]
+                if row.get("finish") == "length" and msgs[-1]["role"] == "assistant":
+                    ids, labels = _unended(ids, labels, end_ids)
         except ChatTemplateError:
             raise
         except DataError as e:

@@ -401,3 +401,20 @@ def test_token_counts_and_select_draft_vocab(tok, tmp_path):
     assert out.dtype == torch.long and out.tolist() == [2, 3]
     with pytest.raises(ValueError):
         select_draft_vocab(c, 1, always=[0, 1])
+
+
+def test_a_reply_cut_by_the_token_budget_gets_no_end_of_turn(tok, tmp_path):
+    """Distillation marks a reply that ran out of new tokens `finish: length`: its text is trained on, but not the
+    end-of-turn token the chat template would put after it (the target never wrote one there); a reply that
+    stopped on its own keeps it."""
+    conv = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two three"}]
+    write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "messages": conv, "finish": "stop"},
+                                       {"id": "b", "messages": conv, "finish": "length"}])
+    train_ds, _, _ = build_datasets(cfg_for(tmp_path / "d.jsonl", seed=0), tok)
+    rows = {len(r["input_ids"]): r for r in train_ds}
+    stopped, cut = rows[max(rows)], rows[min(rows)]
+    end = tok.convert_tokens_to_ids(EOT)
+    assert [s[-1] for s in spans(stopped["input_ids"], stopped["labels"])] == [end]
+    k = len(cut["input_ids"])
+    assert cut["input_ids"] == stopped["input_ids"][:k] and stopped["input_ids"][k] == end  # cut before the end
+    assert spans(cut["input_ids"], cut["labels"])[0] == spans(stopped["input_ids"], stopped["labels"])[0][:-1]
