@@ -98,6 +98,9 @@ class DataConfig:
     """Use only the first this-many examples after shuffling (0: all)."""
     num_proc: int = 1
     """Processes for tokenization (`datasets.map`)."""
+    max_dropped: float = 0.5
+    """Rows that cannot be trained on (no assistant reply, a reply beyond max_length, an empty document...) are
+    dropped and reported with their reasons; more than this fraction of them is an error (1: never)."""
 
 
 @dataclass
@@ -403,6 +406,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
          f"data.eval_size must be a fraction in (0, 1) or a whole count, got {d.eval_size}")
     need(d.max_examples >= 0, f"data.max_examples must be >= 0, got {d.max_examples}")
     need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
+    need(0 <= d.max_dropped <= 1, f"data.max_dropped must be a fraction in [0, 1], got {d.max_dropped}")
 
     t = cfg.train
     need(t.max_steps >= 0, f"train.max_steps must be >= 0 (0: use train.epochs), got {t.max_steps}")

@@ -104,14 +104,23 @@ def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
 
     rows: list[dict] = []
     for f in files:
-        text = Path(f).read_text(encoding="utf-8")
+        raw = Path(f).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _not_utf8(f, raw, e) from None
         try:
             obj = json.loads(text)
         except json.JSONDecodeError:
-            try:
-                obj = [json.loads(line) for line in text.split("\n") if line.strip()]
-            except json.JSONDecodeError as e:
-                raise DataError(f"data.dataset: {f} is neither JSON nor JSON lines: {_one_line(e)}") from None
+            obj = []
+            for n, line in enumerate(text.split("\n"), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"data.dataset: {f} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                                    "fix or remove that line") from None
         if isinstance(obj, dict):  # {"data": [...]} or a single row
             lists = [v for k, v in obj.items() if k not in ("messages", "conversations")
                      and isinstance(v, list) and v and isinstance(v[0], dict)]
@@ -128,6 +137,23 @@ def _load_json_by_hand(files: list[str], name: str, first_error: Exception):
         return datasets.Dataset.from_list([{k: r.get(k) for k in columns} for r in rows])
     except Exception:  # noqa: BLE001
         raise DataError(f"data.dataset: could not read {name}: {_one_line(first_error)}") from None
+
+
+def _not_utf8(path: str, raw: bytes, e: UnicodeDecodeError) -> DataError:
+    line = raw[:e.start].count(b"\n") + 1
+    return DataError(f"data.dataset: {path} line {line} holds a byte that is not UTF-8 ({raw[e.start]:#04x} at byte "
+                     f"{e.start}): save the file as UTF-8")
+
+
+def _find_not_utf8(dataset: str) -> DataError | None:
+    """The first local data file with a byte that is not UTF-8 (read only after the arrow reader tripped on one)."""
+    for f in local_data_files(dataset) or []:
+        raw = Path(f).read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return _not_utf8(f, raw, e)
+    return None
 
 
 def _one_line(e: BaseException) -> str:
@@ -160,7 +186,11 @@ def _bos_id(tokenizer) -> int | None:
 
 
 def _tokenize_text_batch(batch, tokenizer, column: str, bos: int | None, eos: int):
-    texts = ["" if t is None else t if isinstance(t, str) else str(t) for t in batch[column]]
+    bad = next((t for t in batch[column] if t is not None and not isinstance(t, str)), None)
+    if bad is not None:  # a list or a number would be trained on as its Python repr
+        raise DataError(f"data.text_column={column!r} holds a {type(bad).__name__} ({bad!r:.60}), not text: point "
+                        "data.text_column at a column of strings (or use data.format=chat for conversations)")
+    texts = ["" if t is None else t for t in batch[column]]
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     out = []
     for ids in enc:
@@ -298,11 +328,14 @@ def build_datasets(cfg: Config, tokenizer):
     eval_raw = raw.select(range(n_eval)) if n_eval else None
     train_raw = raw.select(range(n_eval, len(raw))) if n_eval else raw
 
-    train, dropped, reasons, sup = _tokenize(train_raw, fmt, cfg, tokenizer, "train")
-    eval_ds, eval_dropped = None, 0
-    if eval_raw is not None:
-        eval_ds, eval_dropped, eval_reasons, _ = _tokenize(eval_raw, fmt, cfg, tokenizer, "eval")
-        reasons += eval_reasons
+    try:  # the arrow reader keeps bytes that are not UTF-8; they fail when read as text, here
+        train, dropped, reasons, sup = _tokenize(train_raw, fmt, cfg, tokenizer, "train")
+        eval_ds, eval_dropped = None, 0
+        if eval_raw is not None:
+            eval_ds, eval_dropped, eval_reasons, _ = _tokenize(eval_raw, fmt, cfg, tokenizer, "eval")
+            reasons += eval_reasons
+    except UnicodeDecodeError as e:
+        raise _find_not_utf8(d.dataset) or DataError(f"data.dataset {d.dataset}: not UTF-8 text ({e})") from None
     tokens = int(_lengths(train, "input_ids").sum())
     if fmt == "text":
         sup = tokens
@@ -318,6 +351,11 @@ def build_datasets(cfg: Config, tokenizer):
             raise DataError(f"no conversation in {d.dataset} has an assistant token to train on: all "
                             f"{dropped} training rows dropped{top}; {hint}")
         raise DataError(f"data.dataset {d.dataset}: column {d.text_column!r} holds no text (all documents empty)")
+    total = len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
+    lost = dropped + eval_dropped
+    if fmt == "chat" and total and lost / total > d.max_dropped and len(train):
+        raise DataError(f"{lost} of {total} rows of {d.dataset} cannot be trained on ({lost / total:.0%}, more than "
+                        f"data.max_dropped={d.max_dropped:g}){top}: fix the data, or raise data.max_dropped")
     if fmt == "chat" and sup == tokens:
         raise DataError(f"every token of {d.dataset} is supervised: the chat template marks no prompt or header "
                         "tokens, so the mask is wrong; check the roles (are all turns 'assistant'?) or use "

@@ -366,6 +366,15 @@ def setup(cfg: Config) -> Run:
         train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
     accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
                       f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
+    dropped = info["dropped"] + info["eval_dropped"]
+    if dropped:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(info["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        accelerator.print(f"data: {dropped} rows dropped ({reasons})")
+    if accelerator.is_main_process and ckpt is None:  # what training saw, in the run's own record (once a run)
+        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
+                                "data/tokens": info["tokens"], "data/dropped": dropped,
+                                "data/drop_reasons": info["drop_reasons"]}) + "\n")
     target = load_model(cfg.target, accelerator.device)
     forward_target = setup_forward_target(cfg, target, accelerator.device)
     heads = setup_heads(cfg, target, train_ds)

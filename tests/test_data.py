@@ -333,9 +333,16 @@ def test_json_layouts(tmp_path):
     rows = [{"text": "a"}, {"text": "b"}]
     for name, obj in (("list.json", rows), ("wrapped.json", {"data": rows})):
         assert load_raw(DataConfig(dataset=write_json(tmp_path / name, obj)))["text"] == ["a", "b"]
-    (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(DataError, match="bad.jsonl is neither JSON nor JSON lines"):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n{not json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl line 3 is not valid JSON \(Expecting property name .* column 2\)"):
         load_raw(DataConfig(dataset=str(tmp_path / "bad.jsonl")))
+    # a byte that is not UTF-8: the file and line named
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl line 2 holds a byte that is not UTF-8 \(0xe9"):
+        build_datasets(cfg_for(tmp_path / "latin1.jsonl"), tiny_tokenizer())
+    (tmp_path / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')  # was trained on as "['a', 'b']"
+    with pytest.raises(DataError, match=r"data.text_column='text' holds a list .*, not text"):
+        build_datasets(cfg_for(tmp_path / "lists.jsonl", format="text"), tiny_tokenizer())
 
 
 def test_data_error_is_config_error_and_bad_paths(tok, tmp_path):
@@ -418,3 +425,15 @@ def test_a_reply_cut_by_the_token_budget_gets_no_end_of_turn(tok, tmp_path):
     k = len(cut["input_ids"])
     assert cut["input_ids"] == stopped["input_ids"][:k] and stopped["input_ids"][k] == end  # cut before the end
     assert spans(cut["input_ids"], cut["labels"])[0] == spans(stopped["input_ids"], stopped["labels"])[0][:-1]
+
+
+def test_more_dropped_rows_than_data_max_dropped_is_an_error(tok, tmp_path):
+    """Dropped rows are counted with their reasons; past data.max_dropped (a fraction) the data is refused, naming
+    the count and the most common reason, instead of training on what is left without a word."""
+    rows = [{"messages": CONVS[0]}] + [{"messages": [{"role": "user", "content": f"no answer {i}"}]} for i in range(2)]
+    path = write_jsonl(tmp_path / "m.jsonl", rows)
+    with pytest.raises(DataError, match=r"2 of 3 rows of .* cannot be trained on \(67%, more than data.max_dropped="
+                                        r"0.5\) \(most common: no assistant reply\).*data.max_dropped"):
+        build_datasets(cfg_for(path), tok)
+    _, _, info = build_datasets(cfg_for(path, max_dropped=0.9), tok)
+    assert info["dropped"] == 2 and info["drop_reasons"] == {"no assistant reply": 2}

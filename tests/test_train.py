@@ -98,6 +98,9 @@ def test_outputs_metrics_and_checkpoints(ws, run20):
     out = Path(cfg.output_dir)
     assert result.step == 20 and not result.stopped
     rows = read_jsonl(out / "metrics.jsonl")
+    # the run's record opens with what training saw of the data: rows kept and dropped, and why
+    assert rows[0]["step"] == 0 and rows[0]["data/dropped"] == 0 and rows[0]["data/drop_reasons"] == {}
+    assert rows[0]["data/rows"] == 40 and rows[0]["data/eval_rows"] == 4
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # one row per log step
     for key in ("train/head1/top1_target", "train/head3/top5_data", "train/lr", "train/grad_norm",
