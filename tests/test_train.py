@@ -100,7 +100,7 @@ def test_outputs_metrics_and_checkpoints(ws, run20):
     rows = read_jsonl(out / "metrics.jsonl")
     # the run's record opens with what training saw of the data: rows kept and dropped, and why
     assert rows[0]["step"] == 0 and rows[0]["data/dropped"] == 0 and rows[0]["data/drop_reasons"] == {}
-    assert rows[0]["data/rows"] == 40 and rows[0]["data/eval_rows"] == 4
+    assert rows[0]["data/rows"] == 40 and rows[0]["data/eval_rows"] > 0  # blocks of packed text
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # one row per log step
     for key in ("train/head1/top1_target", "train/head3/top5_data", "train/lr", "train/grad_norm",
@@ -254,12 +254,21 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
     """torchrun with 2 CPU processes (gloo), 2 sequences each, vs 1 process, 2 sequences x 2 micro-steps."""
     common = ["train.max_steps=3", "train.log_every=1", "data.eval_size=0", "eval.max_batches=1"]
     two = ws / "ddp2"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={two}", "train.batch_size=4", *common],
-        env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={two}", "train.batch_size=4", *common]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for attempt in range(2):  # torchrun's rendezvous has hung once in many runs: kill the group, try once more
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=50)  # ~10 s normally; well inside the per-test timeout
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            shutil.rmtree(two, ignore_errors=True)
+            assert attempt == 0, "two torchrun attempts hung"
+    assert proc.returncode == 0, err[-3000:]
     # one process group of two (not two independent runs): each rank saved its own RNG state
     assert sorted(p.name for p in (two / "checkpoints" / "step-3").glob("random_states_*")) == \
         ["random_states_0.pkl", "random_states_1.pkl"]
