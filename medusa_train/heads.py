@@ -443,7 +443,11 @@ class DraftHeads(nn.Module):
         if target is not None:
             check_fingerprint(spec.target_fingerprint, target, spec.target_name)
         heads = cls(spec)
-        state = load_file(str(path / WEIGHTS_NAME))
+        try:
+            state = load_file(str(path / WEIGHTS_NAME))
+        except Exception as e:  # noqa: BLE001 - safetensors reports a damaged file in several error types
+            raise ValueError(f"{path / WEIGHTS_NAME} cannot be read ({str(e).splitlines()[0][:120]}): the file is "
+                             "damaged or incomplete; train again or use a checkpoint") from None
         bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise ValueError(f"{path / WEIGHTS_NAME} holds non-finite weights ({bad[0]}): these heads diverged in "

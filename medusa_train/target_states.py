@@ -81,7 +81,11 @@ class TargetStates:
             # several ranks may race here; every one writes the same content
             atomic_write_text(meta, json.dumps({"target_fingerprint": fingerprint, "dtype": dtype}))
         for shard in sorted(self.dir.glob("shard-*.pt")):
-            self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
+            try:
+                self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
+            except Exception as e:  # noqa: BLE001 - a truncated or damaged file fails in several ways
+                raise ConfigError(f"train.hidden_cache_dir: {shard} cannot be read ({str(e).splitlines()[0][:100]}): "
+                                  "delete that shard (its rows are computed again) or the whole directory") from None
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end)."""

@@ -17,6 +17,7 @@ config), `acceptance.json` (per-head top-k acceptance, read by the inference eng
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from .target_states import TargetStates
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST_NAME = "manifest.json"
 RECIPE_NAME = "recipe.yaml"
 METRICS_NAME = "metrics.jsonl"
 
@@ -112,17 +114,57 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [g for g in groups if g["params"]]
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete `checkpoints/step-N` (temp dirs of an interrupted save are ignored)."""
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """`checkpoints/step-N` directories, newest first (a save's `.tmp-*` and a rotation's `.trash-*` excluded)."""
     root = Path(output_dir) / CHECKPOINTS
-    done = [p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file() and p.name[5:].isdigit()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    return sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose manifest verifies (every file present, of its size and checksum)."""
+    return next((p for p in checkpoints(output_dir) if verify_checkpoint(p) is None), None)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if `path` holds every file its manifest lists, with the size and sha256 recorded; else what is wrong,
+    as the tail of a sentence. The manifest is written last, so a save cut short has none."""
+    manifest = path / MANIFEST_NAME
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST_NAME} is missing or unreadable (a save or a rotation was cut short)"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} is {f.stat().st_size} bytes, the manifest says {want['size']}"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum (damaged)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
-    """accelerator.save_state into a temp dir, plus the data position and resolved recipe, then rename
-    it to checkpoints/step-N and rotate to `train.keep_checkpoints`. A crash mid-save leaves only a
-    `.tmp-*` dir, which resume ignores."""
+    """accelerator.save_state into a temp dir, plus the data position and resolved recipe, and last a manifest of
+    every file's size and sha256; all fsynced, then renamed to checkpoints/step-N. Rotation to
+    `train.keep_checkpoints` renames an old checkpoint to `.trash-*` before deleting it. A crash at any point
+    leaves nothing that verifies but the checkpoints that are complete."""
     root = Path(cfg.output_dir) / CHECKPOINTS
     final = root / f"step-{position['step']}"
     tmp = root / f".tmp-step-{position['step']}"
@@ -135,13 +177,34 @@ def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
     if accelerator.is_main_process:
         (tmp / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (tmp / TRAINER_STATE).write_text(json.dumps(position, indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(f)
+            files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        (tmp / MANIFEST_NAME).write_text(json.dumps({"files": files}, indent=1) + "\n")
+        _fsync(tmp / MANIFEST_NAME)
+        _fsync(tmp)
+        if final.exists():
+            os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
-        done = sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-        for old in done[:-cfg.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsync(root)
+        for old in checkpoints(cfg.output_dir)[cfg.train.keep_checkpoints:]:
+            trash = root / f".trash-{old.name}"
+            os.replace(old, trash)  # never a half-deleted step-N that could look complete
+            shutil.rmtree(trash, ignore_errors=True)
+        for trash in root.glob(".trash-*"):
+            shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def remove_stale_files(output_dir: str | os.PathLike) -> None:
+    """What interrupted writes left behind: checkpoint temp and trash directories, atomic writes' temp files."""
+    out = Path(output_dir)
+    for d in list((out / CHECKPOINTS).glob(".tmp-*")) + list((out / CHECKPOINTS).glob(".trash-*")):
+        shutil.rmtree(d, ignore_errors=True)
+    for f in out.glob(".*.tmp-*"):
+        f.unlink(missing_ok=True)
 
 
 def full_params(accelerator, model):
@@ -350,6 +413,8 @@ def setup(cfg: Config) -> Run:
     the newest checkpoint if `cfg.resume` says so."""
     from accelerate.utils import set_seed
 
+    if int(os.environ.get("RANK", "0")) == 0:
+        remove_stale_files(cfg.output_dir)
     ckpt = resume_checkpoint(cfg)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     check_before_loading(cfg)
@@ -486,10 +551,24 @@ def check_before_loading(cfg: Config) -> None:
 
 
 def resume_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint `cfg.resume` names (`auto`: the newest complete one, if any)."""
+    """The checkpoint `cfg.resume` names, verified against its manifest. `auto`: the newest that verifies, saying in
+    one line what is wrong with each newer one it passes over (None: start afresh); a path that does not verify
+    is a ConfigError naming the file."""
     if cfg.resume == "none":
         return None
-    return latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    if cfg.resume != "auto":
+        problem = verify_checkpoint(Path(cfg.resume))
+        if problem is not None:
+            raise ConfigError(f"resume={cfg.resume}: {problem}; pick another checkpoint (resume=auto takes the newest "
+                              "that verifies) or start afresh (resume=none)")
+        return Path(cfg.resume)
+    for ckpt in checkpoints(cfg.output_dir):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"resume: skipping {ckpt}: {problem}", flush=True)
+    return None
 
 
 def check_resumable(cfg: Config, ckpt: Path) -> list[str]:

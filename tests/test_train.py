@@ -692,3 +692,54 @@ def _tiny_target(ws):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(ws / "model")
+
+
+def test_checkpoints_verify_themselves_and_resume_falls_back_past_damaged_ones(ws, capsys):
+    """Each checkpoint carries a manifest (sizes and sha256 of every file) written last. resume=auto skips a newest
+    checkpoint whose bytes are damaged, or that lost a file (a rotation cut short), says so in one line, and resumes
+    from the newest that verifies, ending with the heads of an uninterrupted run; an explicit resume=PATH that
+    does not verify is refused naming the file; what interrupted writes left behind is removed on start."""
+    from medusa_train.config import ConfigError
+
+    common = ("train.max_steps=6", "train.save_every=2", "train.keep_checkpoints=3", "eval.every=0")
+    train(config(ws, "verify-ref", *common))
+    out = ws / "verify"
+    train(config(ws, "verify", *common))
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-2", "step-4", "step-6"]
+    assert all((ckpts / s / "manifest.json").is_file() for s in ("step-2", "step-4", "step-6"))
+    weights = next((ckpts / "step-6").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the newest weights
+    weights.write_bytes(bytes(data))
+    (next((ckpts / "step-4").glob("optimizer*"))).unlink()  # and the next one lost a file
+    (out / "model.safetensors").unlink()  # as if the run died before its final save
+    (out / ".model.safetensors.tmp-12345").write_bytes(b"partial")  # an interrupted atomic write
+    (ckpts / ".tmp-step-8").mkdir()
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=r"^resume=.*step-6: .*\.safetensors does not match its checksum"):
+        train(config(ws, "verify", *common, f"resume={ckpts / 'step-6'}"))
+    result = train(config(ws, "verify", *common))
+    printed = capsys.readouterr().out
+    assert "resume: skipping" in printed and "step-6: " in printed and "does not match its checksum" in printed
+    assert "step-4: optimizer" in printed and "is missing" in printed
+    assert f"resumed from {ckpts / 'step-2'} at step 2" in printed
+    assert result.step == 6 and max_diff(ws / "verify-ref", out) <= 1e-6
+    assert not list(out.glob(".*.tmp-*")) and not list(ckpts.glob(".tmp-*"))
+
+
+def test_damaged_heads_and_hidden_cache_files_are_named_in_one_line(ws, run20, tmp_path):
+    from medusa_train.config import ConfigError
+    from medusa_train.target_states import TargetStates
+
+    cfg, result = run20
+    heads = tmp_path / "heads"
+    shutil.copytree(cfg.output_dir, heads, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    (heads / "model.safetensors").write_bytes((heads / "model.safetensors").read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match=r"model.safetensors cannot be read \(.*\): the file is damaged"):
+        DraftHeads.from_pretrained(heads, target=result.target)
+    cache = tmp_path / "hidden"
+    cache.mkdir()
+    (cache / "shard-1.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match=r"hidden_cache_dir: .*shard-1.pt cannot be read .*delete that shard"):
+        TargetStates(result.target, result.target.get_output_embeddings(), directory=cache)
