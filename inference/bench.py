@@ -21,7 +21,6 @@ and `exact_match`: whether every output equals `ar`'s token for token (it is rep
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -393,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.kernels import use_onednn_linear
+    from medusa_train.files import write_json
     from medusa_train.target import default_device, resolve_dtype
 
     device = default_device(args.device)
@@ -444,8 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
     print(format_table(summary))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         log(f"[bench] wrote {args.out}")
     if args.plot:
         plot(summary, args.plot, f"{Path(str(args.target)).name}: {prompt_set}, {args.max_new_tokens} new tokens")

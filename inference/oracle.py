@@ -23,10 +23,8 @@ here. Every output is checked against plain decoding token for token (`exact_mat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -163,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference.bench import describe_prompts, load_bench_prompts, machine_description, render
     from inference.kernels import use_onednn_linear
+    from medusa_train.files import write_json
     from medusa_train.target import default_device, resolve_dtype
 
     device = default_device(args.device)
@@ -194,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"plain generate {result['ar_tokens_per_s']:.1f} tokens/s\n")
     print(format_table(result))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
     return 0
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .config import LossConfig
-from .files import atomic_write_text
+from .files import atomic_write_text, write_json
 from .heads import DraftHeads, HeadsMismatchError
 from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize
 from .target_states import TargetStates
@@ -222,11 +222,9 @@ def main(argv: list[str] | None = None) -> int:
           f"target {cfg.target.model}, {cfg.target.dtype})")
     print(format_report(acceptance))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"heads": str(heads_dir), "dataset": str(cfg.data.dataset), "split": args.split,
                 "rows": rows, "max_reply_tokens": args.max_reply_tokens}
-        atomic_write_text(out, json.dumps(acceptance | meta, indent=2) + "\n")
+        write_json(args.out, acceptance | meta)
     return 0
 
 

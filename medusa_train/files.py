@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -75,3 +76,9 @@ def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> No
 def atomic_write_text(final: str | os.PathLike, text: str) -> None:
     """`atomic_write` for a text file."""
     atomic_write(final, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_json(path: str | os.PathLike, obj: object) -> None:
+    """A results file: its directory made if needed, written atomically, indented, with a final newline."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
