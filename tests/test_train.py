@@ -743,3 +743,34 @@ def test_damaged_heads_and_hidden_cache_files_are_named_in_one_line(ws, run20, t
     (cache / "shard-1.pt").write_bytes(b"not a torch file")
     with pytest.raises(ConfigError, match=r"hidden_cache_dir: .*shard-1.pt cannot be read .*delete that shard"):
         TargetStates(result.target, result.target.get_output_embeddings(), directory=cache)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_at_a_random_point_then_resume_ends_as_an_uninterrupted_run(ws, seed):
+    """kill -9 a real `train.py` at a random point of a run that checkpoints every step (after a random number of
+    logged steps, plus a random fraction of a step: inside a step, a checkpoint write or a rotation), then resume:
+    the heads equal an uninterrupted run's, whatever the kill left behind."""
+    common = ["train.max_steps=24", "train.save_every=1", "train.keep_checkpoints=2", "train.log_every=1",
+              "eval.every=0"]
+    ref = ws / "kill-ref"
+    if not (ref / "model.safetensors").exists():
+        train(config(ws, "kill-ref", *common))
+    rng = random.Random(seed)
+    logged, extra = rng.randint(2, 18), rng.uniform(0.0, 0.03)
+    out = ws / f"kill-{seed}"
+    args = [sys.executable, str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={out}", *common]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (metrics.is_file() and metrics.read_text().count("train/loss") >= logged):
+            time.sleep(0.002)
+        time.sleep(extra)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL and not (out / "model.safetensors").exists()  # killed mid-run
+    result = train(config(ws, f"kill-{seed}", *common))
+    assert result.step == 24
+    assert max_diff(ref, out) <= 1e-6
