@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from inference.generate import parse_tree_budget
+from medusa_train.errors import ArgumentParser
 
 ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram")
 
@@ -290,7 +291,7 @@ def plot(summary: dict[str, dict[str, float | bool]], path: str, title: str = ""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="target model directory or name (default: the one the heads "
                                                    "name)")
     p.add_argument("--heads", default=None, help="chained heads directory (method `chained`)")

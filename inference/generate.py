@@ -29,10 +29,11 @@ from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafte
 from inference.kernels import use_onednn_linear
 from inference.kv import cache_length, compact_cache, new_cache
 from inference.tree import Tree, tree_from_parents
-from medusa_train.chat import render_prompt
-from medusa_train.target import eos_ids
 from inference.verify import (accept_greedy, accept_lossless, accept_typical, sample_token, target_forward,
                               target_probs, verify_tree)
+from medusa_train.chat import render_prompt
+from medusa_train.errors import ArgumentParser
+from medusa_train.target import eos_ids
 
 Acceptance = Literal["exact", "typical"]
 
@@ -535,7 +536,7 @@ def check_cli_args(args: argparse.Namespace) -> Literal["auto"] | int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inference.generate",
+    parser = ArgumentParser(prog="python -m inference.generate",
                                      description="Generate with trained draft heads (greedy output = the target's).")
     parser.add_argument("--heads", required=True, help="heads directory (config.json + model.safetensors)")
     parser.add_argument("--target", default=None, help="target model path or name (default: the heads' config)")

@@ -22,7 +22,6 @@ here. Every output is checked against plain decoding token for token (`exact_mat
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from inference.drafters import DraftContext, TreeDrafter
+from medusa_train.errors import ArgumentParser
 
 SHAPES = {  # name: (LlamaConfig fields) of random-weight targets shaped like real ones
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -132,7 +132,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m inference.oracle", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m inference.oracle", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="a model directory or hub name (else --shape)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random-weight target of this shape")
     p.add_argument("--budgets", default="1,2,4,8", help="comma list of chain lengths (draft nodes per step)")

@@ -13,13 +13,13 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
-from .errors import TrainingDiverged
+from .errors import ArgumentParser, TrainingDiverged
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after saving a checkpoint; rerun to resume
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="train.py", description="Train draft heads on a frozen causal LM.",
         epilog="example: accelerate launch train.py recipes/llama-3.1-8b-instruct.yaml train.lr=5e-4 "
                "output_dir=runs/llama")

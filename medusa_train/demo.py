@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from medusa_train.files import is_heads_dir
+from .errors import ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
@@ -89,7 +90,7 @@ def train_cmd(target: str, data: str, kind: str, steps: int, out: Path, args: ar
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_train.demo", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m medusa_train.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/demo", help="where data, heads and results go")
     p.add_argument("--distill-prompts", type=int, default=256, help="prompts of the default pool to distill")
     p.add_argument("--distill-tokens", type=int, default=192, help="max new tokens per distilled reply")

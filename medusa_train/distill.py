@@ -41,6 +41,7 @@ import torch
 from .chat import render_prompt
 from .config import ConfigError, DataConfig, load_config
 from .target import eos_ids
+from .errors import ArgumentParser
 
 Order = Literal["file", "shortest", "longest"]
 
@@ -334,7 +335,7 @@ def hash_id(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_train.distill",
+    p = ArgumentParser(prog="python -m medusa_train.distill",
                                 description="Write the target's own replies to a prompt pool as chat JSONL.")
     p.add_argument("recipe", help="recipe YAML; only its target section is used")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.model=/path/to/model")

@@ -43,6 +43,7 @@ from .files import atomic_write_text, write_json
 from .heads import DraftHeads, HeadsMismatchError
 from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize
 from .target_states import TargetStates
+from .errors import ArgumentParser
 
 MAX_RANK = 10
 ACCEPTANCE_NAME = "acceptance.json"
@@ -166,7 +167,7 @@ def format_report(acceptance: dict[str, Any], ranks: int = 3) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m medusa_train.evaluate",
+    p = ArgumentParser(prog="python -m medusa_train.evaluate",
                                 description="Per-head acceptance and expected chain tau of trained heads on chat data.")
     p.add_argument("recipe", help="recipe YAML: its target and data sections are used (override data.dataset)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset=replies.jsonl")

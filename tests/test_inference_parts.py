@@ -225,6 +225,8 @@ def test_cli_prints_text_and_one_stats_line(heads_dir, capsys):
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--lookup-nodes", "-1"], "--lookup-nodes must be >= 0"),
     (["--heads", "no-such-dir"], "no-such-dir is not a heads directory"),
+    (["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc' (see --help)"),  # argparse's
+    (["--tree", "bushy"], "argument --tree: invalid choice: 'bushy'"),
 ])
 def test_cli_checks_every_argument_before_loading_a_model(heads_dir, capsys, monkeypatch, argv, message):
     def no_loading(*a, **k):
@@ -232,6 +234,10 @@ def test_cli_checks_every_argument_before_loading_a_model(heads_dir, capsys, mon
 
     monkeypatch.setattr(SpeculativeGenerator, "from_pretrained", no_loading)
     args = ["--heads", str(heads_dir / "heads"), "--prompt", "abc", *argv]
-    assert main(args) == 2
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # argparse's own errors exit from inside parse_args
+        code = exit_.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
