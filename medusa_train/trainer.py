@@ -491,41 +491,31 @@ def check_writable(path: Path, key: str) -> None:
                           "or fix its permissions") from None
 
 
-def head_parameters(cfg: Config) -> int | None:
-    """How many parameters the recipe's heads have, counted on heads built on the meta device from the target's
-    config (None if the config cannot be read)."""
+def target_text_config(cfg: Config):
+    """The target's (text) config, cheap to read before the model loads; None if it cannot be read (loading the
+    model will then say why)."""
     from transformers import AutoConfig
 
+    kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
+    except Exception:  # noqa: BLE001 - offline, missing, gated: all reported by the model load
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_parameters(cfg: Config, text) -> int:
+    """How many parameters the recipe's heads have for a target of config `text`, counted on heads built on the
+    meta device (no memory)."""
     from .heads import HeadsSpec
 
-    try:
-        kw = {"trust_remote_code": cfg.target.trust_remote_code}
-        if cfg.target.gguf_file:
-            kw["gguf_file"] = cfg.target.gguf_file
-        text = AutoConfig.from_pretrained(cfg.target.model, **kw)
-        text = text.get_text_config() if hasattr(text, "get_text_config") else text
-        h = cfg.heads
-        spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                         layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
-                         own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
-                         context_layers=h.context_layers)
-        with torch.device("meta"):
-            n = sum(p.numel() for p in DraftHeads(spec).parameters())
-    except Exception:  # noqa: BLE001 - no readable config: loading the model will say why
-        return None
-    return n
-
-
-def max_positions(cfg: Config) -> int | None:
-    from transformers import AutoConfig
-
-    try:
-        kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
-        config = AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
-    except Exception:  # noqa: BLE001 - loading the model will say why
-        return None
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "max_position_embeddings", None)
+    h = cfg.heads
+    spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+                     layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
+                     own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
+                     context_layers=h.context_layers)
+    with torch.device("meta"):
+        return sum(p.numel() for p in DraftHeads(spec).parameters())
 
 
 def check_before_loading(cfg: Config) -> None:
@@ -535,16 +525,19 @@ def check_before_loading(cfg: Config) -> None:
     check_writable(out, "output_dir")
     if cfg.train.hidden_cache_dir:
         check_writable(Path(cfg.train.hidden_cache_dir), "train.hidden_cache_dir")
-    n = head_parameters(cfg)
+    text = target_text_config(cfg)
+    if text is None:
+        return
+    n = head_parameters(cfg, text)
     # a checkpoint holds float32 weights and AdamW's two moments (12 bytes a parameter), one more exists while the
     # newest is written, and the final heads take 4
-    need = None if n is None else 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
+    need = 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
     free = shutil.disk_usage(out).free
-    if need is not None and free < need:
+    if free < need:
         raise ConfigError(f"output_dir={out}: {free / 2**30:.2f} GiB free, but {cfg.train.keep_checkpoints} "
                           f"checkpoints and the heads need about {need / 2**30:.2f} GiB: free some space, lower "
                           "train.keep_checkpoints, or write elsewhere")
-    positions = max_positions(cfg)
+    positions = getattr(text, "max_position_embeddings", None)
     if positions is not None and cfg.data.max_length > positions:
         raise ConfigError(f"data.max_length={cfg.data.max_length} exceeds the target's {positions} positions "
                           f"(max_position_embeddings): set data.max_length <= {positions}")

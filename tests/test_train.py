@@ -680,7 +680,8 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
         train(config(ws, "x", f"train.hidden_cache_dir={blocker}"))
     with pytest.raises(ConfigError, match=r"^data.max_length=600 exceeds the target's 512 positions"):
         train(config(ws, "x", "data.max_length=600"))
-    n = trainer.head_parameters(config(ws, "x"))  # counted without loading the target
+    cfg = config(ws, "x")
+    n = trainer.head_parameters(cfg, trainer.target_text_config(cfg))  # counted without loading the target
     assert n == sum(p.numel() for p in DraftHeads.for_target(_tiny_target(ws), "chained", 3).parameters())
     monkeypatch.setattr(trainer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(ConfigError, match=r"GiB free, but 2 checkpoints and the heads need about .* lower "
