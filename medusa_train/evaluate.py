@@ -28,7 +28,6 @@ with the recipe's `eval.max_batches` as `--max-batches` (default 0: all) and bat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from functools import partial
@@ -39,11 +38,11 @@ import torch
 from torch import nn
 
 from .config import LossConfig
-from .files import atomic_write_text, write_json
+from .errors import ArgumentParser
+from .files import write_json
 from .heads import DraftHeads, HeadsMismatchError
 from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize
 from .target_states import TargetStates
-from .errors import ArgumentParser
 
 MAX_RANK = 10
 ACCEPTANCE_NAME = "acceptance.json"
@@ -137,7 +136,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
 def save_acceptance(directory: str | os.PathLike, acceptance: dict[str, Any], split: str) -> Path:
     """Write acceptance.json (temp file, then rename) and return its path."""
     path = Path(directory) / ACCEPTANCE_NAME
-    atomic_write_text(path, json.dumps(acceptance | {"split": split}, indent=2) + "\n")
+    write_json(path, acceptance | {"split": split})
     return path
 
 
