@@ -68,6 +68,7 @@ class Drafter:
     max_depth: int = 0
     max_candidates: int = 1 << 30  # most candidates ranked per node (static trees use ranks below this)
     needs_history: bool = False  # True: the generator calls `observe` with every committed position
+    target_layers: tuple[int, ...] = ()  # target layers whose states `observe` receives after h (eagle3)
 
     def draft(self, ctx: DraftContext) -> Tree:
         raise NotImplementedError
@@ -84,8 +85,9 @@ class Drafter:
 
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Only for drafters with `needs_history`: n newly committed positions, in order; hidden [n, d] is
-        h at each, next_tokens [n] (on the target's device) the token that follows each (the last one is
-        the next root). Called after the prefill with the whole prompt, then after every step."""
+        h at each (followed by the states at `target_layers`, if any: [n, (1 + len(target_layers)) d]),
+        next_tokens [n] (on the target's device) the token that follows each (the last one is the next root).
+        Called after the prefill with the whole prompt, then after every step."""
 
 
 def _validate_tree(tree: TreeSpec) -> None:
@@ -196,8 +198,13 @@ class HeadsDrafter(TreeDrafter):
     """Draft with trained heads (`medusa_train.heads.DraftHeads`) on the target's own embedding / LM head.
 
     topk_accuracy: [head][rank] acceptance rates measured by the trainer (`acceptance.json`); None uses
-    a default prior. It shapes static trees and the auto budget.
+    a default prior. It shapes static trees and the auto budget. eagle3 heads get an `Eagle3Drafter`.
     """
+
+    def __new__(cls, heads: nn.Module, *args, **kwargs):
+        if cls is HeadsDrafter and heads.spec.kind == "eagle3":
+            cls = Eagle3Drafter
+        return super().__new__(cls)
 
     def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
         super().__init__()
@@ -217,7 +224,7 @@ class HeadsDrafter(TreeDrafter):
         # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once into a
         # layer of their own (the same product `heads.logits` computes), so the fast kernel packs them too
         self._draft_lm: nn.Linear | None = None
-        if heads.spec.draft_vocab_size and heads.lm_heads is None:
+        if heads.spec.draft_vocab_size and not heads.owns_lm_head:
             rows = heads.scoring_weight(0, self.lm_head).detach().contiguous()
             self._draft_lm = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
             self._draft_lm.weight = nn.Parameter(rows, requires_grad=False)
@@ -282,6 +289,61 @@ class HeadsDrafter(TreeDrafter):
         cand = self.heads.to_target_ids(top.indices)
         m = tokens.shape[0]
         return cand.expand(m, -1), logq.expand(m, -1), s
+
+
+class Eagle3Drafter(HeadsDrafter):
+    """Draft with eagle3 heads (`medusa_train.eagle3`): its decoder layer keeps keys and values of every committed
+    position (`observe` runs step 0 over them, and its output at the last one scores the root's children); a node at
+    depth k >= 1 runs step k, attending to that cache and to its ancestors. A node's state is its parent's output
+    followed by the keys and values of its path (depths 1..k-1), so static and dynamic trees carry them as they
+    carry any state: [M, d + (K - 1) x 2 x kv_width]."""
+
+    def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
+        super().__init__(heads, target, topk_accuracy)
+        self.eagle3 = self.heads.eagle3
+        self.needs_history, self.chained = True, True
+        self.target_layers = tuple(heads.spec.aux_layers)
+        layer = self.eagle3.layer
+        self._kv_shape = (2, layer.num_kv_heads, layer.head_dim)
+        self._cache = None
+        self._s: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self._cache, self._s = None, None
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        dtype = self.lm_head.weight.dtype
+        e = self.heads.embed_tokens(next_tokens, self.embed).to(dtype)
+        aux = hidden[:, self.heads.spec.hidden_size:].to(dtype)
+        self._s, self._cache = self.eagle3.extend(aux, e, self._cache)
+
+    def root_state(self, ctx: DraftContext) -> torch.Tensor:
+        if self._s is None:
+            raise RuntimeError("eagle3 heads read the committed positions: feed them with observe() "
+                               "(SpeculativeGenerator does) before drafting")
+        path = self._s.new_zeros(1, (self.max_depth - 1) * math.prod(self._kv_shape))
+        return torch.cat([self._s, path], dim=-1)
+
+    def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
+        return self.eagle3.lm_head(self.eagle3.scoring_input(s))
+
+    def propose(self, k, tokens, states, num):
+        d = self.heads.spec.hidden_size
+        if k == 0:  # the root's step 0 ran in observe: its output is the state its children read
+            s, child = states[:, :d], states
+        else:
+            m = states.shape[0]
+            path = states[:, d:].view(m, self.max_depth - 1, *self._kv_shape)
+            e = self.heads.embed_tokens(tokens, self.embed).to(states.dtype)
+            s, key, value = self.eagle3.tree_step(e, states[:, :d], path[:, :k - 1, 0], path[:, :k - 1, 1],
+                                                  self._cache, self._cache[0].shape[1] + k)
+            path = path.clone()
+            path[:, k - 1, 0], path[:, k - 1, 1] = key, value
+            child = torch.cat([s, path.flatten(1)], dim=-1)
+        logits = self.head_logits(k, s).float()  # [M, V_draft]
+        top = torch.topk(logits, num, dim=-1)
+        logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return self.heads.to_target_ids(top.indices), logq, child
 
 
 def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:
@@ -375,6 +437,7 @@ class HybridDrafter(Drafter):
         self.max_depth = max(primary.max_depth, self.lookup.max_depth)
         self.max_candidates = primary.max_candidates
         self.needs_history = primary.needs_history
+        self.target_layers = primary.target_layers
 
     def topk_accuracy(self) -> list[list[float]]:
         return self.primary.topk_accuracy()

@@ -224,6 +224,7 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.device = target.get_output_embeddings().weight.device
+        self.hidden_size = target.get_output_embeddings().weight.shape[1]
         self.platform = Platform.for_device(self.device)  # CPU-versus-GPU choices, made once here
         self._verify_costs: list[float] | None = None  # interpolated per token count
         self._auto_budget: int | None = None
@@ -313,8 +314,8 @@ class SpeculativeGenerator:
     def prefill(self, input_ids: torch.Tensor, sampling: Sampling) -> DecodeState:
         """Run the prompt, decide the first new token (the first tree's root)."""
         cache = new_cache()
-        hs = target_forward(self.target, input_ids, cache)[0]  # [T, d]
-        h = hs[-1]  # h at the prompt's last position
+        hs = target_forward(self.target, input_ids, cache, layers=self.drafter.target_layers)[0]  # [T, d or more]
+        h = hs[-1, :self.hidden_size]  # h at the prompt's last position
         logits = self.target.get_output_embeddings()(h)  # [V]
         root = self.next_token(logits, sampling).view(1)
         if self.drafter.needs_history:  # position j is followed by x_{j+1}; the last one by the root
@@ -354,7 +355,7 @@ class SpeculativeGenerator:
         if stats is not None:
             stats.verified_nodes += draft.size
         prefix_len = cache_length(state.cache)
-        logits, h = verify_tree(self.target, state.cache, draft)  # [N, V], [N, d]
+        logits, h = verify_tree(self.target, state.cache, draft, self.drafter.target_layers)  # [N, V], [N, d or more]
         lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
@@ -363,7 +364,7 @@ class SpeculativeGenerator:
             self.calibrator.update(draft, keys, acc.path, n)
         lap("update")
         compact_cache(state.cache, prefix_len, acc.path[:n])
-        state.root, state.hidden = acc.bonus.view(1), h[acc.best]
+        state.root, state.hidden = acc.bonus.view(1), h[acc.best, :self.hidden_size]
         lap("compact")
         if self.drafter.needs_history:  # the accepted nodes, each followed by the next one (the last: bonus)
             self.drafter.observe(h[acc.path[:n]], torch.cat([draft.tokens[acc.path[1:n]], state.root]))

@@ -17,6 +17,7 @@ Notation: p[i] is the target's (temperature / top-p warped) distribution for the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,22 +26,29 @@ from torch import nn
 from inference.kernels import tree_attention
 from inference.kv import cache_kwargs, cache_length
 from inference.tree import Tree, tree_attention_mask, tree_position_ids
+from medusa_train.target import capture_layers
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta)
 
 
 def target_forward(model: nn.Module, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's final post-norm hidden states h: [1, T, d], appending T entries to `cache`."""
+                   position_ids: torch.Tensor | None = None, layers: Sequence[int] = ()) -> torch.Tensor:
+    """The target's final post-norm hidden states h: [1, T, d], appending T entries to `cache`; with `layers` (a
+    drafter's `target_layers`), the states at those layers follow h: [1, T, (1 + len(layers)) d]."""
     base = model.base_model
-    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-               **cache_kwargs(base, cache))
-    return out.last_hidden_state
+    if not layers:
+        return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    **cache_kwargs(base, cache)).last_hidden_state
+    with capture_layers(model, layers) as states:
+        h = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                 **cache_kwargs(base, cache)).last_hidden_state
+    return torch.cat([h, *states], dim=-1)
 
 
-def verify_tree(model: nn.Module, cache, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over every tree node: (logits [N, V], h [N, d]).
+def verify_tree(model: nn.Module, cache, tree: Tree, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over every tree node: (logits [N, V], h [N, d], or with `layers` the features
+    [N, (1 + len(layers)) d], h first).
 
     The cache holds exactly the committed prefix; the tree's entries are appended after it.
     """
@@ -49,8 +57,9 @@ def verify_tree(model: nn.Module, cache, tree: Tree) -> tuple[torch.Tensor, torc
     mask = tree_attention_mask(tree.ancestors, prefix_len, dtype)  # [1, 1, N, prefix_len + N]
     position_ids = tree_position_ids(tree.depth, prefix_len)  # [1, N]
     with tree_attention(model):  # grouped-query heads read in place on a CPU, not copied per layer
-        h = target_forward(model, tree.tokens[None], cache, mask, position_ids)[0]  # [N, d]
-    return model.get_output_embeddings()(h), h
+        h = target_forward(model, tree.tokens[None], cache, mask, position_ids, layers)[0]  # [N, d or more]
+    lm_head = model.get_output_embeddings()
+    return lm_head(h[:, :lm_head.weight.shape[1]] if layers else h), h
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

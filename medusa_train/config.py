@@ -50,9 +50,11 @@ class TargetConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: Literal["chained", "parallel"] = "chained"
+    kind: Literal["chained", "parallel", "eagle3"] = "chained"
     """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (`heads.block` says how).
-    `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline)."""
+    `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline). `eagle3`: EAGLE-3's
+    draft layer (three target layers fused, one decoder layer applied num_heads times with its own attention, its
+    own LM head over the draft vocabulary), the kind vLLM and SGLang serve (`python -m medusa_train.export`)."""
     num_heads: int = 4
     """K: head k predicts token x_{t+1+k}."""
     layers_per_head: int = 1
@@ -72,6 +74,9 @@ class HeadsConfig:
     """If > 0, an EAGLE-style context encoder: this many small causal transformer layers over every
     committed position's (h_j, embed(x_{j+1})) give c_t, and the heads start from s_0 = h_t + c_t instead
     of h_t alone (at inference the drafter keeps its own KV cache). 0: heads read h_t only."""
+    aux_layers: list[int] = field(default_factory=list)
+    """eagle3 only: the target layers it reads (layer i: the input of decoder layer i, as vLLM counts). Empty:
+    EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
     init_from: str = ""
     """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
     heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
@@ -346,6 +351,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if value in typing.get_args(hint):
             return value
         raise ConfigError(f"{key} must be one of {_type_name(hint)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, (list, tuple)):
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        raise ConfigError(f"{key} must be a list, got {value!r}")
     if hint is type(None):
         if value is None:
             return None
@@ -393,6 +403,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(1 <= h.layers_per_head <= 8, f"heads.layers_per_head must be between 1 and 8, got {h.layers_per_head}")
     need(0 <= h.context_layers <= 8, f"heads.context_layers must be between 0 and 8, got {h.context_layers}")
     need(h.draft_vocab_size >= 0, f"heads.draft_vocab_size must be >= 0 (0: full vocab), got {h.draft_vocab_size}")
+    if h.kind == "eagle3":
+        other = [f"heads.{k}={getattr(h, k)!r}" for k, default in (
+            ("block", "residual"), ("layers_per_head", 1), ("own_embed", False), ("own_lm_head", False),
+            ("context_layers", 0)) if getattr(h, k) != default]
+        need(not other, f"heads.kind=eagle3 has its own layout (one decoder layer, the target's embedding, its own LM "
+                        f"head): remove {', '.join(other)}")
+        need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
+             f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
+    else:
+        need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
     if h.init_from:
         need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")

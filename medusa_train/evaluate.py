@@ -103,7 +103,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
     was_training = heads.training
     heads.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    target_states = TargetStates(target, lm_head)
+    target_states = TargetStates(target, lm_head, layers=heads.spec.aux_layers)
     dtype = next(heads.parameters()).dtype
     K = heads.spec.num_heads
     stats = torch.zeros(K, len(STATS))
@@ -114,6 +114,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
         h, greedy = target_states(batch)
         states = heads(h.to(dtype), ids, embed)
+        h = h[..., :heads.spec.hidden_size]  # h_t, without the aux layers' states eagle3 heads read
         # per-sequence loss statistics, so that gather_for_metrics can drop duplicated samples
         per_seq = torch.stack([chunked_head_losses(heads, states[:, b:b + 1], h[b:b + 1], greedy[b:b + 1],
                                                    ids[b:b + 1], labels[b:b + 1], mask[b:b + 1], lm_head,

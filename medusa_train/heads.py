@@ -16,6 +16,9 @@ x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
       s = gelu(ln_k(s))                     # ln: RMS-normalise, then elementwise scale and shift
 - parallel: s_k = blocks_k(h_t), each block x + silu(W x + b), zero-initialised so an untrained head
   starts as the target's own next-token guess.
+- eagle3: EAGLE-3's draft layer (`medusa_train.eagle3`): the target's states at three layers fused by `fc`, one
+  decoder layer applied step after step with its own KV cache, a final norm and its own LM head over the draft
+  vocabulary; exported in speculators' format for vLLM and SGLang (`medusa_train.export`).
 - context (`heads.context_layers` > 0, EAGLE-style): the heads also see the whole committed context, not
   only h_t. At every position j a small causal transformer reads u_j = W [h_j; embed(x_{j+1})] (the
   target's state and the token it chose next) and gives c_t; the chain then starts from
@@ -54,7 +57,7 @@ class HeadsMismatchError(ValueError):
 class HeadsSpec:
     """Everything needed to rebuild the heads; saved as `config.json` next to the weights."""
 
-    kind: Literal["chained", "parallel"]
+    kind: Literal["chained", "parallel", "eagle3"]
     num_heads: int
     hidden_size: int
     vocab_size: int
@@ -64,6 +67,10 @@ class HeadsSpec:
     own_lm_head: bool = False
     draft_vocab_size: int = 0
     context_layers: int = 0
+    aux_layers: list[int] = field(default_factory=list)
+    """eagle3: the target layers whose states it reads (`medusa_train.eagle3.default_aux_layers`)."""
+    layer_config: dict[str, Any] = field(default_factory=dict)
+    """eagle3: its decoder layer's LlamaConfig (`medusa_train.eagle3.layer_config`)."""
     target_name: str = ""
     target_fingerprint: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -71,6 +78,11 @@ class HeadsSpec:
     @property
     def scored_vocab(self) -> int:
         return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target states the heads read per position: h_t, then the aux layers' states (eagle3)."""
+        return self.hidden_size * (1 + len(self.aux_layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,8 +335,14 @@ class DraftHeads(nn.Module):
         elif spec.kind == "parallel":
             self.blocks = nn.ModuleList(
                 nn.Sequential(*[ResBlock(d) for _ in range(spec.layers_per_head)]) for _ in range(K))
+        elif spec.kind == "eagle3":
+            from .eagle3 import Eagle3Draft
+
+            if not spec.aux_layers or not spec.layer_config:
+                raise ValueError("eagle3 heads need aux_layers and layer_config in their config.json")
+            self.eagle3 = Eagle3Draft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab)
         else:
-            raise ValueError(f"heads.kind must be 'chained' or 'parallel' and heads.block 'residual' or "
+            raise ValueError(f"heads.kind must be 'chained', 'parallel' or 'eagle3' and heads.block 'residual' or "
                              f"'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
         self.context = ContextEncoder(d, spec.context_layers) if spec.context_layers else None
         self.embed = nn.Embedding(spec.vocab_size, d) if spec.own_embed else None
@@ -338,19 +356,36 @@ class DraftHeads(nn.Module):
     @classmethod
     def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
                    own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
-                   target_name: str = "", block: str = "residual", context_layers: int = 0) -> DraftHeads:
-        """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's."""
+                   target_name: str = "", block: str = "residual", context_layers: int = 0,
+                   aux_layers: list[int] | None = None) -> DraftHeads:
+        """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's. eagle3 reads the
+        target at `aux_layers` (default: `medusa_train.eagle3.default_aux_layers`)."""
         emb = target.get_input_embeddings().weight
         out = target.get_output_embeddings().weight
+        eagle3: dict[str, Any] = {}
+        if kind == "eagle3":
+            from .eagle3 import default_aux_layers, layer_config
+
+            text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+            eagle3 = {"aux_layers": list(aux_layers or default_aux_layers(text.num_hidden_layers)),
+                      "layer_config": layer_config(target.config)}
+            if draft_ids is not None:  # ascending, as speculators' t2d mask orders the draft vocabulary
+                draft_ids = torch.sort(draft_ids).values
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
                          layers_per_head=layers_per_head, block=block, own_embed=own_embed, own_lm_head=own_lm_head,
                          draft_vocab_size=0 if draft_ids is None else len(draft_ids),
                          context_layers=context_layers, target_name=target_name,
-                         target_fingerprint=target_fingerprint(target))
+                         target_fingerprint=target_fingerprint(target), **eagle3)
         heads = cls(spec)
         with torch.no_grad():
             if draft_ids is not None:
                 heads.draft_ids.copy_(draft_ids)
+            if kind == "eagle3":  # its LM head starts as the target's rows, its norm as the target's final norm
+                rows = out.float() if draft_ids is None else out.float()[draft_ids.to(out.device)]
+                heads.eagle3.lm_head.weight.copy_(rows)
+                norm = getattr(target.base_model, "norm", None)
+                if isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == (emb.shape[1],):
+                    heads.eagle3.norm.weight.copy_(norm.weight.float())
             if heads.embed is not None:
                 heads.embed.weight.copy_(emb.float())
             if heads.lm_heads is not None:
@@ -384,7 +419,12 @@ class DraftHeads(nn.Module):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None = None) -> torch.Tensor:
         """Teacher-forced states for training: [K, B, T, d] where states[k, :, t] is head k+1's state at
         position t, having read tokens x_{t+1}..x_{t+k+1} (positions past the end see padding; mask them).
-        With a context encoder, position t also reads (h_j, x_{j+1}) for every j <= t."""
+        With a context encoder, position t also reads (h_j, x_{j+1}) for every j <= t. eagle3 heads take the target's
+        features (h, then the aux layers' states: [B, T, feature_size]) and return what their LM head scores,
+        norm(s^k) (`medusa_train.eagle3`)."""
+        if self.spec.kind == "eagle3":  # h: the features [B, T, (1 + A) d]; the chain reads the aux layers
+            e = self.embed_tokens(input_ids, embed).to(h.dtype)
+            return self.eagle3.ttt_states(h[..., self.spec.hidden_size:], e, self.spec.num_heads)
         s0 = self.start(h)
         chained = self.spec.kind == "chained"
         if chained or self.context is not None:  # plain parallel heads read no tokens
@@ -406,9 +446,16 @@ class DraftHeads(nn.Module):
         draft vocabulary if set). Callers that score often may gather it once and keep it."""
         if self.lm_heads is not None:
             return self.lm_heads[k].weight
+        if self.spec.kind == "eagle3":
+            return self.eagle3.lm_head.weight
         if lm_head is None:
             raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
         return lm_head.weight[self.draft_ids] if self.spec.draft_vocab_size else lm_head.weight
+
+    @property
+    def owns_lm_head(self) -> bool:
+        """Whether the heads score with LM heads of their own (else the target's, passed in at call time)."""
+        return self.lm_heads is not None or self.spec.kind == "eagle3"
 
     def logits(self, k: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Head k's logits over the scored vocabulary (the draft vocab if set): [..., V_draft]."""

@@ -77,7 +77,7 @@ def draft_index(heads: DraftHeads, target_ids: torch.Tensor) -> torch.Tensor:
 
 def head_logits(heads: DraftHeads, k: int, states: torch.Tensor, lm_head: nn.Module | None) -> torch.Tensor:
     """Head k's logits in fp32, casting states to the dtype of whichever LM head scores them."""
-    weight = heads.lm_heads[k].weight if heads.lm_heads is not None else lm_head.weight
+    weight = heads.scoring_weight(k, lm_head) if heads.owns_lm_head else lm_head.weight
     return heads.logits(k, states.to(weight.dtype), lm_head).float()
 
 
@@ -170,7 +170,7 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     # chunk's heads (head k at position t reads the teacher at t+1+k)
     h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, d)], dim=1)
     greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
-    shared = heads.lm_heads is None  # every head scores with the target's LM head: gather its rows once
+    shared = not heads.owns_lm_head  # every head scores with the target's LM head: gather its rows once
     weights = [heads.scoring_weight(0, lm_head)] * K if shared else [heads.scoring_weight(k, lm_head) for k in range(K)]
     # the teacher's rows: the target's LM head over the heads' scored vocabulary (None: all of it, as is)
     teacher_w = teacher_b = None
@@ -230,9 +230,11 @@ class HeadsObjective(nn.Module):
                 attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, stats [K, len(STATS)]) for a batch whose target hidden states are h [B, T, d] and whose
-        target greedy tokens are `greedy` [B, T] (`TargetStates`)."""
+        target greedy tokens are `greedy` [B, T] (`TargetStates`). For heads that read more of the target (eagle3),
+        h is its features [B, T, feature_size], h_t first."""
         dtype = next(self.heads.parameters()).dtype
         states = self.heads(h.to(dtype), input_ids, embed)  # [K, B, T, d]
+        h = h[..., :self.heads.spec.hidden_size]  # the teacher reads h_t
         return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,
                                    self.cfg)
 

@@ -7,6 +7,8 @@ of positions in `losses.py` as `lm_head(h_chunk)`, so [B, T, V] teacher logits n
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -110,13 +112,61 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's stack of decoder layers (the base model's ModuleList with one entry per hidden layer)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "num_hidden_layers", None)
+    for child in model.base_model.children():
+        if isinstance(child, nn.ModuleList) and len(child) == n:
+            return child
+    raise ValueError(f"{getattr(config, 'model_type', type(model).__name__)}: no stack of {n} decoder layers found "
+                     "in its base model, so its intermediate states cannot be read (heads.kind=eagle3 needs them)")
+
+
+@contextmanager
+def capture_layers(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[list[torch.Tensor]]:
+    """While open, every forward of `model` appends the states at `layer_ids` to the yielded list, in that order.
+    Layer id i is the input of decoder layer i (0: the embeddings' output; L, the layer count: the last layer's
+    output before the final norm), as vLLM and speculators count EAGLE-3's auxiliary layers; it equals
+    `output_hidden_states[i]` without keeping every layer's states alive."""
+    layers = decoder_layers(model)
+    got: dict[int, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
+
+    def keep(i: int, x) -> None:
+        got[i] = x[0] if isinstance(x, tuple) else x
+        if len(got) == len(set(layer_ids)):
+            out.extend(got[j] for j in layer_ids)
+            got.clear()
+
+    handles = []
+    for i in sorted(set(layer_ids)):
+        if not 0 <= i <= len(layers):
+            raise ValueError(f"layer id {i} is out of range for a target with {len(layers)} layers (0..{len(layers)})")
+        if i == 0:
+            handles.append(layers[0].register_forward_pre_hook(
+                lambda m, args, kwargs: keep(0, args[0] if args else kwargs["hidden_states"]), with_kwargs=True))
+        else:
+            handles.append(layers[i - 1].register_forward_hook(lambda m, args, output, i=i: keep(i, output)))
+    try:
+        yield out
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
-def target_hidden(model: nn.Module, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """h [B, T, d]: the target's final post-norm hidden state, what its LM head consumes.
+def target_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  layers: Sequence[int] = ()) -> torch.Tensor:
+    """h [B, T, d]: the target's final post-norm hidden state, what its LM head consumes; with `layers`, the
+    states at those layers concatenated after it: [B, T, (1 + len(layers)) d] (`capture_layers`).
 
     Read from the decoder's own output (`model.base_model(...).last_hidden_state`), so no model code is
     copied or patched; the decoder applies its final norm before returning it for every HF causal LM.
     """
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state
+    if not layers:
+        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+    with capture_layers(model, layers) as states:
+        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return torch.cat([out.last_hidden_state, *states], dim=-1)

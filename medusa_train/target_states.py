@@ -9,7 +9,9 @@ With `train.cache_hidden` the target is frozen, so h for a row is the same every
 whose rows are all cached skips the target forward (the dominant cost when heads are small). Rows are keyed by
 their token ids, so with `train.hidden_cache_dir` a later run on other heads reuses them: each `flush` writes the
 rows computed since the last one as a new shard file, atomically. Cost: d x (2 or 4) bytes per token on disk and
-in memory (SmolLM2-135M in float32: 2.3 KB a token, 2.6 GB for the documented 1.1M-token data).
+in memory (SmolLM2-135M in float32: 2.3 KB a token, 2.6 GB for the documented 1.1M-token data). eagle3 heads also
+read three intermediate layers, so their rows are 4 d wide: 4x that (9.2 KB a token in float32; a bfloat16 forward,
+`target.forward_dtype=bfloat16`, halves it).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class TargetStates:
 
     def __init__(self, target: nn.Module, lm_head: nn.Module, cache: bool = False,
                  directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, layers: list[int] | tuple[int, ...] = ()) -> None:
         self.target, self.lm_head = target, lm_head
+        self.layers = tuple(layers)  # eagle3: the aux layers read after h_t
         self.cache = cache or bool(directory)
         self.rows: dict[bytes, torch.Tensor] = {}
         self.greedy_rows: dict[bytes, torch.Tensor] = {}
@@ -60,6 +63,7 @@ class TargetStates:
         self.rank = rank
         if self.dir is not None:
             self._open(fingerprint or {}, str(next(target.parameters()).dtype).removeprefix("torch."))
+        self.d = target.get_output_embeddings().weight.shape[1]
 
     def _open(self, fingerprint: dict[str, Any], dtype: str) -> None:
         """Check (or write) meta.json: the target's fingerprint and the dtype of the forward that made the rows;
@@ -71,6 +75,12 @@ class TargetStates:
             if diff is not None:
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
                                   f"({diff}): point it at a new directory, or delete this one")
+            saved_layers = saved.get("layers", [])
+            if saved_layers != list(self.layers):
+                raise ConfigError(f"train.hidden_cache_dir={self.dir} holds the target's states at layers "
+                                  f"{saved_layers or 'none (h_t only)'}, but these heads read "
+                                  f"{list(self.layers) or 'none (h_t only)'}: point it at a new directory (one per "
+                                  "heads.kind=eagle3 layer set), or delete this one")
             saved_dtype = saved.get("dtype", "float32")  # caches written before the key existed were float32
             if saved_dtype != dtype:
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of a {saved_dtype} "
@@ -79,7 +89,8 @@ class TargetStates:
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             # several ranks may race here; every one writes the same content
-            atomic_write_text(meta, json.dumps({"target_fingerprint": fingerprint, "dtype": dtype}))
+            atomic_write_text(meta, json.dumps({"target_fingerprint": fingerprint, "dtype": dtype,
+                                                "layers": list(self.layers)}))
         for shard in sorted(self.dir.glob("shard-*.pt")):
             try:
                 self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
@@ -87,18 +98,22 @@ class TargetStates:
                 raise ConfigError(f"train.hidden_cache_dir: {shard} cannot be read ({str(e).splitlines()[0][:100]}): "
                                   "delete that shard (its rows are computed again) or the whole directory") from None
 
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return target_hidden(self.target, ids, mask, self.layers)
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end)."""
+        """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end). With `layers`
+        (eagle3 heads), h is followed by the states at those layers: [B, T, (1 + len(layers)) d]."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if not self.cache:
-            h = target_hidden(self.target, ids, mask)
-            return h, greedy_tokens(self.lm_head, h) * mask
+            h = self.forward(ids, mask)
+            return h, greedy_tokens(self.lm_head, h[..., :self.d]) * mask
         lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
         keys = [row_key(ids[b, :n]) for b, n in enumerate(lengths)]
         h = self._hidden(ids, mask, keys, lengths)
         no_greedy = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
         if no_greedy:
-            fresh = greedy_tokens(self.lm_head, h[no_greedy])
+            fresh = greedy_tokens(self.lm_head, h[no_greedy][..., :self.d])
             for i, b in enumerate(no_greedy):
                 self.greedy_rows[keys[b]] = fresh[i, :lengths[b]].to("cpu", copy=True)
         greedy = torch.zeros(ids.shape, dtype=torch.long)
@@ -110,7 +125,7 @@ class TargetStates:
         """h from the cache where it can; the target runs on the rows it has not seen only."""
         missing = [b for b, k in enumerate(keys) if k not in self.rows]
         if len(missing) == len(keys):
-            h = target_hidden(self.target, ids, mask)
+            h = self.forward(ids, mask)
         else:  # new data added to a cached set: the target runs on the new rows only
             like = next(iter(self.rows.values()))
             h = torch.zeros(ids.shape[0], ids.shape[1], like.shape[-1], dtype=like.dtype)
@@ -120,7 +135,7 @@ class TargetStates:
             h = h.to(ids.device, non_blocking=True)
             if missing:
                 rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
-                h[rows, :n] = target_hidden(self.target, ids[rows, :n], mask[rows, :n]).to(like.dtype)
+                h[rows, :n] = self.forward(ids[rows, :n], mask[rows, :n]).to(like.dtype)
         for b in missing:
             k = keys[b]
             if k not in self.rows:  # a batch may hold the same row twice

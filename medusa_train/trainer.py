@@ -340,7 +340,7 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
         draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab_size, always)
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
-                                  context_layers=h.context_layers)
+                                  context_layers=h.context_layers, aux_layers=h.aux_layers or None)
     return heads.to(target.device)
 
 
@@ -355,6 +355,8 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
     differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
               for key in ("kind", "num_heads", "layers_per_head", "block", "own_embed", "own_lm_head",
                           "draft_vocab_size", "context_layers") if getattr(h, key) != getattr(spec, key)]
+    if h.aux_layers and h.aux_layers != spec.aux_layers:
+        differ.append(f"heads.aux_layers={h.aux_layers!r} but those heads have {spec.aux_layers!r}")
     if differ:
         raise ConfigError(f"heads.init_from={h.init_from} does not match the recipe: " + "; ".join(differ)
                           + ". Set those keys to the heads' values (their config.json), or drop heads.init_from")
@@ -447,7 +449,8 @@ def setup(cfg: Config) -> Run:
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
                       f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
-                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index)
+                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
+                          layers=heads.spec.aux_layers)
     if states.rows:
         accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 
@@ -510,10 +513,16 @@ def head_parameters(cfg: Config, text) -> int:
     from .heads import HeadsSpec
 
     h = cfg.heads
+    eagle3: dict[str, Any] = {}
+    if h.kind == "eagle3":
+        from .eagle3 import default_aux_layers, layer_config
+
+        eagle3 = {"aux_layers": h.aux_layers or default_aux_layers(text.num_hidden_layers),
+                  "layer_config": layer_config(text)}
     spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
                      own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
-                     context_layers=h.context_layers)
+                     context_layers=h.context_layers, **eagle3)
     with torch.device("meta"):
         return sum(p.numel() for p in DraftHeads(spec).parameters())
 
@@ -528,6 +537,10 @@ def check_before_loading(cfg: Config) -> None:
     text = target_text_config(cfg)
     if text is None:
         return
+    layers = getattr(text, "num_hidden_layers", None)
+    if cfg.heads.aux_layers and layers is not None and max(cfg.heads.aux_layers) > layers:
+        raise ConfigError(f"heads.aux_layers={cfg.heads.aux_layers}: the target has {layers} layers, so ids go from 0 "
+                          f"to {layers}; pick ids in that range (or leave it empty for EAGLE-3's default)")
     n = head_parameters(cfg, text)
     # a checkpoint holds float32 weights and AdamW's two moments (12 bytes a parameter), one more exists while the
     # newest is written, and the final heads take 4

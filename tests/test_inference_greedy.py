@@ -38,8 +38,8 @@ def random_heads(model, kind: str, num_heads: int, seed: int = 0, scale: float =
                  context_layers: int = 0) -> DraftHeads:
     """Untrained heads, perturbed away from their identity-like initialisation (chained heads alternate
     between the residual and the mlp_speculator block with the seed)."""
-    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, block=("residual", "mlp_speculator")[seed % 2],
-                                  context_layers=context_layers)
+    block = ("residual", "mlp_speculator")[seed % 2] if kind == "chained" else "residual"
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, block=block, context_layers=context_layers)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -89,7 +89,7 @@ def _case(i: int) -> dict:
     rng = random.Random(1000 + i)
     return dict(
         arch=ARCHS[i % 4],
-        drafter=["planted", "chained", "planted", "parallel", "planted", "ngram", "bigram", "planted"][(i // 4) % 8],
+        drafter=["planted", "chained", "planted", "parallel", "eagle3", "ngram", "bigram", "planted"][(i // 4) % 8],
         tree=["static", "dynamic", "paths"][(i // 32 + i) % 3],
         budget=rng.choice([1, 2, 3, 5, 8, 12]),
         num_heads=rng.choice([1, 2, 3, 4]),
@@ -122,9 +122,10 @@ def test_greedy_equals_target_generate(i):
     want = greedy_reference(model, input_ids, c["max_new"], eos_token_id=eos if eos is not None else [])
 
     truth = input_ids[0].tolist() + truth_new.tolist()
-    if c["drafter"] in ("chained", "parallel"):
+    if c["drafter"] in ("chained", "parallel", "eagle3"):
         drafter = HeadsDrafter(random_heads(model, c["drafter"], depth, seed=c["seed"],
-                                            context_layers=(c["seed"] // 2) % 2), model)
+                                            context_layers=(c["seed"] // 2) % 2 if c["drafter"] != "eagle3" else 0),
+                               model)
     elif c["drafter"] == "planted":
         drafter = PlantedDrafter(truth, VOCAB, depth, c["true_rank"], c["good_depth"])
     elif c["drafter"] == "ngram":

@@ -1,0 +1,243 @@
+"""Export trained heads to the formats serving engines load: one CLI for every kind.
+
+    python -m medusa_train.export HEADS_DIR OUT --format speculators      # eagle3 heads: vLLM >= 0.10, SGLang
+    python -m medusa_train.export HEADS_DIR OUT --format medusa           # parallel heads: vLLM <= 0.32
+    python -m medusa_train.export HEADS_DIR OUT --format mlp_speculator   # chained mlp_speculator heads: vLLM <= 0.32
+
+- `speculators`: speculators 0.9's Eagle3 layout (`speculators_model_type: eagle3`), which vLLM serves with
+  `--speculative-config '{"method": "eagle3", "model": OUT, ...}'` (or `vllm serve OUT`, the verifier taken from the
+  config) and SGLang with `--speculative-algorithm EAGLE3 --speculative-draft-model-path OUT`. Tensor names are the
+  heads' own (`fc`, `layers.0.*`, `norm`, `lm_head`); the draft vocabulary becomes `d2t` (target id = draft id +
+  d2t[draft id]) and `t2d` (a mask over the target vocabulary), ordered by target id; `embed_tokens.weight` is the
+  target's embedding (read from the target; `--no-embed` leaves it out, and the engine then shares the target's).
+- `medusa`: vLLM's Medusa layout (`blocks.{k}.layers.{l}`, `lm_heads.{k}`; removed in vLLM 0.33), with the target's
+  LM head copied into each head.
+- `mlp_speculator`: IBM's MLP speculator layout (removed in vLLM 0.33; no current engine serves it).
+
+The directory is written beside OUT and renamed into place, so OUT is either the old export or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ArgumentParser
+from .files import CONFIG_NAME, WEIGHTS_NAME
+from .heads import DraftHeads, load_spec
+
+FORMATS = {"speculators": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
+SPECULATORS_VERSION = "0.9.0"
+
+
+class ExportError(ValueError):
+    """The heads cannot be exported as asked (one line: what and how to fix it)."""
+
+
+def _target_config(name: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - offline, missing, gated: one message
+        raise ExportError(f"cannot read the target's config from {name!r} ({str(e).splitlines()[0][:100]}): pass "
+                          "--target with a local copy of the target") from None
+
+
+def _target_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
+                          "local copy of the target") from None
+
+
+def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str]) -> dict[str, Any]:
+    """config.json as speculators 0.9 writes an Eagle3SpeculatorConfig (the norm flags explicit: vLLM assumes
+    norm_before_residual=true when the key is missing)."""
+    spec = heads.spec
+    layer = dict(spec.layer_config)
+    layer.setdefault("model_type", "llama")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": spec.scored_vocab,
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
+        "embed_requires_grad": False,
+        "fc_norm": False,
+        "norm_before_fc": False,
+        "norm_before_residual": False,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                  "speculative_tokens": spec.num_heads, "verifier_accept_k": 1}],
+            "verifier": {"architectures": list(architectures), "name_or_path": verifier},
+        },
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": None,
+        "transformer_layer_config": layer,
+        "torch_dtype": "float32",
+    }
+
+
+def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The eagle3 heads' tensors under speculators' names, the draft vocabulary ordered by target id."""
+    spec = heads.spec
+    state = {k: v.detach().float().cpu().contiguous() for k, v in heads.eagle3.state_dict().items()}
+    if spec.draft_vocab_size:
+        ids, order = torch.sort(heads.draft_ids.cpu())
+        state["lm_head.weight"] = state["lm_head.weight"][order].contiguous()
+        state["d2t"] = ids - torch.arange(len(ids))
+        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        state["t2d"] = t2d
+    if embed is not None:
+        state["embed_tokens.weight"] = embed.detach().float().cpu().contiguous()
+    return state
+
+
+def medusa_files(heads: DraftHeads, lm_head: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) in vLLM's Medusa layout for parallel heads."""
+    spec = heads.spec
+    state: dict[str, torch.Tensor] = {}
+    for k, block in enumerate(heads.blocks):
+        for i, res in enumerate(block):
+            state[f"blocks.{k}.layers.{i}.weight"] = res.linear.weight.detach().float().cpu().contiguous()
+            state[f"blocks.{k}.layers.{i}.bias"] = res.linear.bias.detach().float().cpu().contiguous()
+        w = heads.lm_heads[k].weight if heads.lm_heads is not None else lm_head
+        state[f"lm_heads.{k}.weight"] = w.detach().float().cpu().contiguous()
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": spec.hidden_size,
+              "vocab_size": spec.vocab_size, "num_heads": spec.num_heads, "num_hidden_layers": spec.layers_per_head,
+              "max_paths": 64, "topk": 10, "truncated_vocab_size": None, "medusa_fc_bias": True,
+              "torch_dtype": "float32"}
+    return config, state
+
+
+def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force: bool) -> None:
+    """Everything that can be refused before loading anything: ExportError / FileNotFoundError with one line."""
+    spec = load_spec(heads_dir)  # FileNotFoundError: not a heads directory
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    kind = spec.kind if spec.kind != "chained" or spec.block != "mlp_speculator" else "chained (mlp_speculator)"
+    if spec.kind != FORMATS[fmt]:
+        holds = {"speculators": "eagle3 heads (heads.kind=eagle3)", "medusa": "parallel heads (heads.kind=parallel)",
+                 "mlp_speculator": "chained heads with heads.block=mlp_speculator"}[fmt]
+        fits = [f for f, k in FORMATS.items() if k == spec.kind]
+        hint = f"export them with --format {fits[0]}" if fits else "retrain with one of those kinds"
+        raise ExportError(f"the {fmt} format holds {holds}, but {heads_dir} holds {kind} heads: {hint}")
+    if fmt == "medusa" and spec.draft_vocab_size:
+        raise ExportError(f"the medusa format scores the full vocabulary, but {heads_dir} has a draft vocabulary of "
+                          f"{spec.draft_vocab_size}: retrain with heads.draft_vocab_size=0")
+    if fmt == "medusa" and spec.context_layers:
+        raise ExportError(f"the medusa format has no context encoder, but {heads_dir} has heads.context_layers="
+                          f"{spec.context_layers}: retrain with heads.context_layers=0")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"{out} is a file: name a directory to export into")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise ExportError(f"{out} exists and is not empty: pick another directory, or pass --force to replace it")
+    if path.resolve() == Path(heads_dir).resolve():
+        raise ExportError(f"{out} is the heads directory itself: export into another directory")
+
+
+def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force: bool = False,
+           target: str | None = None, verifier: str | None = None, embed: bool = True) -> Path:
+    """Write the export of `heads_dir` into `out` (see the module docs); returns its path. `target`: where to read
+    the target from (default: the model the heads were trained for); `verifier`: the name the serving machine
+    knows the target by (default: `target`)."""
+    from safetensors.torch import save_file
+
+    check_request(heads_dir, out, fmt, force)
+    heads = DraftHeads.from_pretrained(heads_dir)
+    name = target or heads.spec.target_name
+    if not name:
+        raise ExportError(f"{heads_dir}/config.json names no target: pass --target")
+    final = Path(out)
+    final.resolve().parent.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any]
+    if fmt == "speculators":
+        model = _target_model(name) if embed else None
+        config = (model.config if model is not None else _target_config(name))
+        archs = list(getattr(config, "architectures", None) or [])
+        if not archs:
+            raise ExportError(f"the target's config ({name}) names no architectures: pass --target with its "
+                              "Hugging Face directory")
+        if model is not None:
+            from .heads import check_fingerprint
+
+            check_fingerprint(heads.spec.target_fingerprint, model, heads.spec.target_name)
+        state = speculators_tensors(heads, model.get_input_embeddings().weight if model is not None else None)
+        files = {"config": speculators_config(heads, verifier or name, archs), "state": state}
+    elif fmt == "medusa":
+        model = None if heads.lm_heads is not None else _target_model(name)
+        config, state = medusa_files(heads, None if model is None else model.get_output_embeddings().weight)
+        files = {"config": config, "state": state}
+    else:
+        model = _target_model(name)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
+        try:
+            heads.export_mlp_speculator(staging, model)
+        except ValueError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ExportError(str(e)) from None
+        return _place(staging, final)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
+    try:
+        save_file(files["state"], str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        (staging / CONFIG_NAME).write_text(json.dumps(files["config"], indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return _place(staging, final)
+
+
+def _place(staging: Path, final: Path) -> Path:
+    """Rename the finished `staging` directory to `final`, replacing what was there (checked by --force)."""
+    os.chmod(staging, 0o755)
+    if final.exists():
+        old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+        final.rename(old)
+        staging.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(final)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m medusa_train.export",
+                            description="Export trained heads for a serving engine.")
+    parser.add_argument("heads", help="heads directory (written by train.py)")
+    parser.add_argument("out", help="directory to write (must not exist or be empty, unless --force)")
+    parser.add_argument("--format", required=True, choices=tuple(FORMATS),
+                        help="speculators (eagle3 heads), medusa (parallel heads), mlp_speculator")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    parser.add_argument("--target", default=None, help="where to read the target (default: the heads' config)")
+    parser.add_argument("--verifier", default=None,
+                        help="speculators: the target's name on the serving machine (default: --target)")
+    parser.add_argument("--no-embed", action="store_true",
+                        help="speculators: leave the target's embedding out (the engine shares the target's)")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.heads, args.out, args.format, args.force, args.target, args.verifier, not args.no_embed)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.heads} as {args.format} to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
