@@ -8,8 +8,8 @@ Methods (every speedup is over `ar`, measured in the same run):
 - `ar`: the target's plain `generate(do_sample=False)`;
 - `pld`: `generate(prompt_lookup_num_tokens=...)`, what transformers gives for free;
 - `ngram`, `bigram`: draft-free drafters in our engine (`NGramDrafter`, `BigramDrafter`);
-- `parallel`, `chained`: trained heads (`--heads-parallel`, `--heads`) in our engine;
-- `chained+ngram`: the chained heads' tree with the n-gram lookup's continuation grafted on
+- `parallel`, `chained`, `eagle3`: trained heads (`--heads-parallel`, `--heads`, `--heads-eagle3`) in our engine;
+- `chained+ngram`, `eagle3+ngram`: those heads' tree with the n-gram lookup's continuation grafted on
   (`HybridDrafter`; the lookup takes up to `--lookup-nodes` of each step's budget).
 
 Methods run interleaved per prompt (the order rotates from prompt to prompt) after a warm-up, `--repeats`
@@ -35,7 +35,7 @@ from torch import nn
 from inference.generate import parse_tree_budget
 from medusa_train.errors import ArgumentParser
 
-ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram")
+ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3", "eagle3+ngram")
 
 
 class BenchError(ValueError):
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "name)")
     p.add_argument("--heads", default=None, help="chained heads directory (method `chained`)")
     p.add_argument("--heads-parallel", default=None, help="parallel (Medusa-1) heads directory (method `parallel`)")
+    p.add_argument("--heads-eagle3", default=None, help="eagle3 heads directory (methods `eagle3`, `eagle3+ngram`)")
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
@@ -345,7 +346,8 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
         args.bigram_data = _heads_training_data(args.heads) or _heads_training_data(args.heads_parallel)
     if args.methods is None:
         methods = ["ar", "pld", "ngram"] + (["bigram"] if args.bigram_data else []) + \
-                  (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else [])
+                  (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else []) \
+                  + (["eagle3", "eagle3+ngram"] if args.heads_eagle3 else [])
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in ALL_METHODS]
@@ -355,6 +357,7 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
             methods.insert(0, "ar")  # the reference for speedup and exact_match
     need = {"chained": ("--heads", args.heads), "chained+ngram": ("--heads", args.heads),
             "parallel": ("--heads-parallel", args.heads_parallel),
+            "eagle3": ("--heads-eagle3", args.heads_eagle3), "eagle3+ngram": ("--heads-eagle3", args.heads_eagle3),
             "bigram": ("--bigram-data", args.bigram_data)}
     for m in methods:
         if m in need and not need[m][1]:
@@ -364,7 +367,7 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
     if args.target is None:
         from medusa_train.heads import load_spec
 
-        for d in (args.heads, args.heads_parallel):
+        for d in (args.heads, args.heads_parallel, args.heads_eagle3):
             if d and load_spec(d).target_name:
                 args.target = load_spec(d).target_name
                 break
@@ -421,11 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 drafter = NGramDrafter()
             elif m == "bigram":
                 drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
-            elif m == "chained+ngram":
-                drafter = HybridDrafter(HeadsDrafter.from_pretrained(args.heads, target),
-                                        lookup_nodes=args.lookup_nodes)
+            elif m.endswith("+ngram"):
+                heads_dir = args.heads if m == "chained+ngram" else args.heads_eagle3
+                drafter = HybridDrafter(HeadsDrafter.from_pretrained(heads_dir, target), lookup_nodes=args.lookup_nodes)
             else:
-                drafter = HeadsDrafter.from_pretrained(args.heads if m == "chained" else args.heads_parallel, target)
+                heads_dir = {"chained": args.heads, "parallel": args.heads_parallel, "eagle3": args.heads_eagle3}[m]
+                drafter = HeadsDrafter.from_pretrained(heads_dir, target)
             generators[m] = SpeculativeGenerator(target, tokenizer, drafter)
             counts[m] = {}
             runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])

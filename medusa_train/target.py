@@ -139,10 +139,11 @@ def capture_layers(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[list[
             out.extend(got[j] for j in layer_ids)
             got.clear()
 
+    bad = [i for i in layer_ids if not 0 <= i <= len(layers)]
+    if bad:
+        raise ValueError(f"layer id {bad[0]} is out of range for a target with {len(layers)} layers (0..{len(layers)})")
     handles = []
     for i in sorted(set(layer_ids)):
-        if not 0 <= i <= len(layers):
-            raise ValueError(f"layer id {i} is out of range for a target with {len(layers)} layers (0..{len(layers)})")
         if i == 0:
             handles.append(layers[0].register_forward_pre_hook(
                 lambda m, args, kwargs: keep(0, args[0] if args else kwargs["hidden_states"]), with_kwargs=True))

@@ -39,8 +39,8 @@ def main() -> None:
     train_ds, _, _ = build_datasets(cfg, tokenizer)
     target = load_model(cfg.target, "cpu")
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    states = TargetStates(setup_forward_target(cfg, target, "cpu"), lm_head)
     heads = setup_heads(cfg, target, train_ds)
+    states = TargetStates(setup_forward_target(cfg, target, "cpu"), lm_head, layers=heads.spec.aux_layers)
     objective = HeadsObjective(heads, cfg.loss)
     optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
     loader = DataLoader(train_ds, batch_size=cfg.train.batch_size, shuffle=True,
