@@ -117,7 +117,7 @@ def medusa_files(heads: DraftHeads, lm_head: torch.Tensor) -> tuple[dict[str, An
             state[f"blocks.{k}.layers.{i}.weight"] = res.linear.weight.detach().float().cpu().contiguous()
             state[f"blocks.{k}.layers.{i}.bias"] = res.linear.bias.detach().float().cpu().contiguous()
         w = heads.lm_heads[k].weight if heads.lm_heads is not None else lm_head
-        state[f"lm_heads.{k}.weight"] = w.detach().float().cpu().contiguous()
+        state[f"lm_heads.{k}.weight"] = w.detach().float().cpu().clone()  # one copy per head, as vLLM loads
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": spec.hidden_size,
               "vocab_size": spec.vocab_size, "num_heads": spec.num_heads, "num_hidden_layers": spec.layers_per_head,
               "max_paths": 64, "topk": 10, "truncated_vocab_size": None, "medusa_fc_bias": True,

@@ -1,0 +1,186 @@
+"""python -m medusa_train.export: speculators' own Eagle3DraftModel loads our eagle3 export and gives our logits; the
+config holds what vLLM reads; the medusa layout computes our parallel heads; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tiny import save_tiny
+
+from medusa_train.export import main
+from medusa_train.heads import DraftHeads
+from medusa_train.prepare import cache_root
+from medusa_train.target import target_hidden
+
+SPECULATORS = "speculators==0.9.0"
+# speculators 0.9 pins transformers<=5.19, so it goes into a venv of its own that sees this environment's packages,
+# installed without its dependencies, plus the three it imports that this project does not need
+SPECULATORS_IMPORTS = ("openai", "hs-connectors", "loguru")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def speculators_python() -> Path:
+    """A Python that imports speculators 0.9.0 (a venv made once under the project's cache, with network)."""
+    venv = cache_root() / "speculators-0.9.0"
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import speculators.models.eagle3, loguru"]
+    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run(pip + ["--no-deps", SPECULATORS], check=True)
+        subprocess.run(pip + list(SPECULATORS_IMPORTS), check=True)
+        subprocess.run(probe, check=True)
+    return python
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory):
+    """A tiny Llama target on disk and eagle3 heads for it (perturbed, with a draft vocabulary)."""
+    root = tmp_path_factory.mktemp("export")
+    target = save_tiny(root / "target", "llama", layers=6)
+    heads = DraftHeads.for_target(target, "eagle3", 3, draft_ids=torch.randperm(260, generator=torch.Generator()
+                                                                                  .manual_seed(0))[:48],
+                                  target_name=str(root / "target"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    heads.save_pretrained(root / "heads")
+    return root, target, heads
+
+
+def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, speculators_python, tmp_path):
+    root, target, heads = eagle3_dir
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    with torch.no_grad():
+        states = heads(feats, ids, target.get_input_embeddings())
+        ours = torch.stack([heads.logits(k, states[k]) for k in range(3)])[:, 0]  # [K, T, V_draft], by target id
+    # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at rotary position t+1
+    torch.save({"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": 3},
+               tmp_path / "inputs.pt")
+    proc = subprocess.run([str(speculators_python), str(HERE / "speculators_check.py"), str(tmp_path / "out"),
+                           str(tmp_path / "inputs.pt")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # every tensor we wrote is one of theirs; what they miss is only the verifier's own LM head and norm, which
+    # speculators never saves (it rebuilds them from the verifier for training)
+    assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
+    assert got["as_saved"] and got["aux_layers"] == heads.spec.aux_layers
+    theirs = torch.tensor(got["logits"])[:, 0]  # [K, T, V_draft]
+    for k in range(3):
+        valid = 20 - 1 - k  # past that, step k reads a token beyond the sequence (padding, differently filled)
+        err = (theirs[k, :valid] - ours[k, :valid]).abs().max().item()
+        assert err < 1e-5 * ours[k, :valid].abs().max().item() + 1e-6, (k, err)
+
+
+def test_speculators_config_holds_what_vllm_reads(eagle3_dir, tmp_path):
+    """The fields vLLM's speculators loader reads (update_eagle3 and the proposal/verifier lookup), and the vocabulary
+    maps as it applies them: target id = draft id + d2t[draft id]."""
+    root, target, heads = eagle3_dir
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators", "--verifier", "org/tiny"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["hidden_size"] == 32 and layer["num_hidden_layers"] == 1
+    assert layer["num_attention_heads"] == 4 and layer["num_key_value_heads"] == 2 and layer["head_dim"] == 8
+    assert layer["vocab_size"] == 260
+    # vLLM takes a missing norm_before_residual as true: it must be written, and false as trained
+    assert cfg["norm_before_residual"] is False
+    assert not (cfg["norm_before_fc"] or cfg["fc_norm"] or cfg["norm_output"])
+    assert cfg["draft_vocab_size"] == 48 and cfg["eagle_aux_hidden_state_layer_ids"] == heads.spec.aux_layers
+    assert cfg.get("target_hidden_size") in (None, 32)
+    spec_cfg = cfg["speculators_config"]
+    assert spec_cfg["algorithm"] == "eagle3" and spec_cfg["default_proposal_method"] == "greedy"
+    assert spec_cfg["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec_cfg["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec_cfg["verifier"] == {"architectures": ["LlamaForCausalLM"], "name_or_path": "org/tiny"}
+    w = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 48
+    draft_to_target = torch.arange(48) + w["d2t"]
+    assert torch.equal(draft_to_target, torch.nonzero(w["t2d"])[:, 0])  # ascending: t2d's order is the draft order
+    assert torch.equal(draft_to_target, torch.sort(heads.draft_ids).values)
+    assert torch.equal(w["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert w["fc.weight"].shape == (32, 3 * 32) and w["layers.0.self_attn.q_proj.weight"].shape == (32, 64)
+    assert {"norm.weight", "lm_head.weight", "layers.0.hidden_norm.weight"} <= set(w)
+    # without the embedding the engine shares the target's
+    assert main([str(root / "heads"), str(tmp_path / "lean"), "--format", "speculators", "--no-embed"]) == 0
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "lean" / "model.safetensors"))
+
+
+def test_medusa_export_computes_our_parallel_heads(tmp_path):
+    target = save_tiny(tmp_path / "target", "qwen2")
+    heads = DraftHeads.for_target(target, "parallel", 3, layers_per_head=2, target_name=str(tmp_path / "target"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    heads.save_pretrained(tmp_path / "heads")
+    assert main([str(tmp_path / "heads"), str(tmp_path / "out"), "--format", "medusa"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == 2
+    assert cfg["medusa_fc_bias"] is True and cfg["hidden_size"] == 32 and cfg["vocab_size"] == 260
+    # vLLM <= 0.32 maps any key holding both "num" and "heads" to the head count: only num_heads may
+    assert [k for k in cfg if "num" in k and "heads" in k] == ["num_heads"]
+    w = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(w) == sorted([f"blocks.{k}.layers.{i}.{p}" for k in range(3) for i in range(2)
+                                for p in ("weight", "bias")] + [f"lm_heads.{k}.weight" for k in range(3)])
+    h = torch.randn(5, 32)
+    for k in range(3):  # vLLM's Medusa: x = x + silu(W x + b) per layer, then the head's LM head
+        x = h
+        for i in range(2):
+            x = x + F.silu(F.linear(x, w[f"blocks.{k}.layers.{i}.weight"], w[f"blocks.{k}.layers.{i}.bias"]))
+        want = heads.logits(k, heads.step(k, h, None), target.get_output_embeddings())
+        assert torch.allclose(F.linear(x, w[f"lm_heads.{k}.weight"]), want, atol=1e-5), k
+
+
+def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
+    root, target, heads = eagle3_dir
+    parallel = DraftHeads.for_target(target, "parallel", 2, target_name=str(root / "target"))
+    parallel.save_pretrained(tmp_path / "parallel")
+    drafty = DraftHeads.for_target(target, "parallel", 2, draft_ids=torch.arange(10), target_name=str(root / "target"))
+    drafty.save_pretrained(tmp_path / "drafty")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    cases = [
+        ([str(tmp_path / "parallel"), str(tmp_path / "o1"), "--format", "speculators"],
+         r"holds eagle3 heads \(heads.kind=eagle3\), but .* holds parallel heads: export them with --format medusa"),
+        ([str(root / "heads"), str(tmp_path / "o2"), "--format", "medusa"],
+         "holds eagle3 heads: export them with --format speculators"),
+        ([str(root / "heads"), str(tmp_path / "o3"), "--format", "mlp_speculator"], "holds eagle3 heads"),
+        ([str(tmp_path / "drafty"), str(tmp_path / "o4"), "--format", "medusa"], "draft vocabulary of 10"),
+        ([str(root / "target"), str(tmp_path / "o5"), "--format", "speculators"],
+         "is not a draft heads config .* is this a model directory"),
+        ([str(tmp_path / "nowhere"), str(tmp_path / "o7"), "--format", "speculators"], "is not a heads directory"),
+        ([str(root / "heads"), str(tmp_path / "full"), "--format", "speculators"], "exists and is not empty.*--force"),
+        ([str(root / "heads"), str(tmp_path / "full" / "keep.txt"), "--format", "speculators"], "is a file"),
+        ([str(root / "heads"), str(tmp_path / "o6"), "--format", "onnx"], "invalid choice: 'onnx'"),
+    ]
+    for argv, message in cases:
+        assert run(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(message, err), (argv, err)
+        assert not (tmp_path / argv[1]).exists() or argv[1].endswith(("full", "keep.txt"))
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x"  # refused: untouched
+    # --force replaces it whole, and no staging directory is left behind
+    assert main([str(root / "heads"), str(tmp_path / "full"), "--format", "speculators", "--force"]) == 0
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def run(argv: list[str]) -> int:
+    """main's exit code, also where argparse exits."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
