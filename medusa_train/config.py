@@ -137,8 +137,9 @@ class TrainConfig:
     checkpoint (0: never stop). Heads with non-finite weights are never saved."""
     cache_hidden: bool = False
     """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
-    epoch after the first skips the target forward (costs d x 4 bytes per token: for small targets and
-    datasets, such as the offline default)."""
+    epoch after the first skips the target forward (costs d x 4 bytes per token in float32: for small targets and
+    datasets, such as the offline default; eagle3 heads also keep their three layers, 4 d x 4 bytes; a bfloat16
+    forward, `target.forward_dtype=bfloat16` or `target.dtype=bfloat16`, halves either)."""
     hidden_cache_dir: str = ""
     """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)

@@ -10,9 +10,9 @@ step, reads the token embedding and a state:
 
 D's first layer takes [input_layernorm(e); hidden_norm(s)] (2d wide) into its q/k/v projections, its residual is s,
 and its rotary position for step k at t is t+1+k (the position of the token it reads). The LM head scores the draft
-vocabulary. Parameter names, norm placement (norm_before_residual, norm_before_fc, fc_norm and norm_output all
-false) and rotary are speculators 0.9's, so `medusa_train.export --format speculators` only renames the vocabulary
-maps. In our head numbering step k is head k+1.
+vocabulary (the target's rows, frozen). Parameter names, norm placement (norm_before_residual, norm_before_fc,
+fc_norm and norm_output all false) and rotary are speculators 0.9's, so `medusa_train.export --format speculators`
+only renames the vocabulary maps. In our head numbering step k is head k+1.
 
 Training (`ttt_states`) runs the K steps over whole sequences, each step reading the previous step's own states,
 with the attention pattern inference sees ("training-time test"). Inference keeps D's keys and values of the
@@ -125,6 +125,9 @@ class Eagle3Draft(nn.Module):
         for module in self.modules():  # Llama's initialisation (normal, std initializer_range), as speculators'
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
+        # the LM head is the target's rows of the draft vocabulary (`DraftHeads.for_target`) and stays frozen, as
+        # speculators trains it: a trainable one cost a third of a training step more on SmolLM2 (its weight gradient)
+        self.lm_head.weight.requires_grad_(False)
 
     @property
     def layer(self) -> Eagle3Layer:

@@ -1,6 +1,7 @@
 """Export trained heads to the formats serving engines load: one CLI for every kind.
 
-    python -m medusa_train.export HEADS_DIR OUT --format speculators      # eagle3 heads: vLLM >= 0.10, SGLang
+    python -m medusa_train.export HEADS_DIR OUT --format speculators      # eagle3 heads: vLLM
+    python -m medusa_train.export HEADS_DIR OUT --format eagle3           # eagle3 heads: SGLang (EAGLE-3's layout)
     python -m medusa_train.export HEADS_DIR OUT --format medusa           # parallel heads: vLLM <= 0.32
     python -m medusa_train.export HEADS_DIR OUT --format mlp_speculator   # chained mlp_speculator heads: vLLM <= 0.32
 
@@ -10,6 +11,9 @@
   heads' own (`fc`, `layers.0.*`, `norm`, `lm_head`); the draft vocabulary becomes `d2t` (target id = draft id +
   d2t[draft id]) and `t2d` (a mask over the target vocabulary), ordered by target id; `embed_tokens.weight` is the
   target's embedding (read from the target; `--no-embed` leaves it out, and the engine then shares the target's).
+- `eagle3`: the original EAGLE-3 release's layout (`architectures: LlamaForCausalLMEagle3`, the layer as
+  `midlayer.*`, no embedding), which SGLang loads with `--speculative-algorithm EAGLE3`; SGLang counts auxiliary
+  layers by the layer whose output it takes, so `eagle_config.eagle_aux_hidden_state_layer_ids` holds ours minus one.
 - `medusa`: vLLM's Medusa layout (`blocks.{k}.layers.{l}`, `lm_heads.{k}`; removed in vLLM 0.33), with the target's
   LM head copied into each head.
 - `mlp_speculator`: IBM's MLP speculator layout (removed in vLLM 0.33; no current engine serves it).
@@ -33,7 +37,7 @@ from .errors import ArgumentParser
 from .files import CONFIG_NAME, WEIGHTS_NAME
 from .heads import DraftHeads, load_spec
 
-FORMATS = {"speculators": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
+FORMATS = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -108,6 +112,18 @@ def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[s
     return state
 
 
+def eagle3_files(heads: DraftHeads, speculators: dict[str, Any], state: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) in the original EAGLE-3 layout, from the speculators export of the same heads."""
+    config = {k: v for k, v in speculators["transformer_layer_config"].items() if k != "transformers_version"}
+    config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": speculators["draft_vocab_size"],
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in heads.spec.aux_layers]},
+               "torch_dtype": "float32"}
+    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+               for k, v in state.items() if k != "embed_tokens.weight"}
+    return config, renamed
+
+
 def medusa_files(heads: DraftHeads, lm_head: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) in vLLM's Medusa layout for parallel heads."""
     spec = heads.spec
@@ -132,7 +148,8 @@ def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     kind = spec.kind if spec.kind != "chained" or spec.block != "mlp_speculator" else "chained (mlp_speculator)"
     if spec.kind != FORMATS[fmt]:
-        holds = {"speculators": "eagle3 heads (heads.kind=eagle3)", "medusa": "parallel heads (heads.kind=parallel)",
+        holds = {"speculators": "eagle3 heads (heads.kind=eagle3)", "eagle3": "eagle3 heads (heads.kind=eagle3)",
+                 "medusa": "parallel heads (heads.kind=parallel)",
                  "mlp_speculator": "chained heads with heads.block=mlp_speculator"}[fmt]
         fits = [f for f, k in FORMATS.items() if k == spec.kind]
         hint = f"export them with --format {fits[0]}" if fits else "retrain with one of those kinds"
@@ -167,8 +184,8 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
     final = Path(out)
     final.resolve().parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any]
-    if fmt == "speculators":
-        model = _target_model(name) if embed else None
+    if fmt in ("speculators", "eagle3"):
+        model = _target_model(name) if embed and fmt == "speculators" else None
         config = (model.config if model is not None else _target_config(name))
         archs = list(getattr(config, "architectures", None) or [])
         if not archs:
@@ -180,6 +197,9 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
             check_fingerprint(heads.spec.target_fingerprint, model, heads.spec.target_name)
         state = speculators_tensors(heads, model.get_input_embeddings().weight if model is not None else None)
         files = {"config": speculators_config(heads, verifier or name, archs), "state": state}
+        if fmt == "eagle3":
+            config, state = eagle3_files(heads, files["config"], state)
+            files = {"config": config, "state": state}
     elif fmt == "medusa":
         model = None if heads.lm_heads is not None else _target_model(name)
         config, state = medusa_files(heads, None if model is None else model.get_output_embeddings().weight)
@@ -222,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("heads", help="heads directory (written by train.py)")
     parser.add_argument("out", help="directory to write (must not exist or be empty, unless --force)")
     parser.add_argument("--format", required=True, choices=tuple(FORMATS),
-                        help="speculators (eagle3 heads), medusa (parallel heads), mlp_speculator")
+                        help="speculators (eagle3 heads, for vLLM), eagle3 (eagle3 heads, for SGLang), medusa "
+                             "(parallel heads), mlp_speculator")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     parser.add_argument("--target", default=None, help="where to read the target (default: the heads' config)")
     parser.add_argument("--verifier", default=None,

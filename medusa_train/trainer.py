@@ -445,7 +445,7 @@ def setup(cfg: Config) -> Run:
     target = load_model(cfg.target, accelerator.device)
     forward_target = setup_forward_target(cfg, target, accelerator.device)
     heads = setup_heads(cfg, target, train_ds)
-    n_params = sum(p.numel() for p in heads.parameters())
+    n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
                       f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,

@@ -49,7 +49,13 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("train.foo=1", "unknown config key: train.foo"),
     ("train.batch_size=abc", "train.batch_size must be int, got 'abc'"),
     ("heads.num_heads=0", "heads.num_heads must be between 1 and 16, got 0"),
-    ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel', got 'serial'"),
+    ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel' | 'eagle3', got 'serial'"),
+    ("heads.kind=eagle3 heads.block=mlp_speculator heads.context_layers=1",
+     "heads.kind=eagle3 has its own layout (one decoder layer, the target's embedding, its own LM head): remove "
+     "heads.block='mlp_speculator', heads.context_layers=1"),
+    ("heads.kind=eagle3 heads.aux_layers=[2,2]", "heads.aux_layers must be distinct layer ids >= 0, got [2, 2]"),
+    ("heads.kind=eagle3 heads.aux_layers=3", "heads.aux_layers must be a list, got 3"),
+    ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3 only (heads.kind=chained): remove it"),
     ("loss.decay=0", "loss.decay must be in (0, 1], got 0.0"),
     ("data.dataset=/nonexistent/train.jsonl", "data.dataset: file not found: /nonexistent/train.jsonl"),
     ("target.model=/nonexistent/model", "target.model: directory not found: /nonexistent/model"),
@@ -57,7 +63,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("train.lr", "override 'train.lr' must look like section.key=value"),
 ])
 def test_config_error_exits_2_with_one_line(recipe, capsys, override, message):
-    code, err = run_cli(capsys, str(recipe), override)
+    code, err = run_cli(capsys, str(recipe), *override.split(" "))
     assert code == 2
     assert err.startswith("error: ") and message in err
     assert len(err.splitlines()) == 1

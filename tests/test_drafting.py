@@ -4,9 +4,9 @@ Greedy output is exact whatever a drafter proposes, so a drafting bug (parallel 
 logits, children hung under the wrong parent, draft-vocabulary indices left unmapped) would only lower tau,
 silently. Here every node of a drafted tree is checked against the heads' teacher-forced training forward
 (`DraftHeads.forward` over the committed tokens followed by the node's path), for chained and parallel heads,
-with a draft vocabulary and with a context encoder, in static and dynamic trees; heads trained by the trainer
-with a draft vocabulary are checked the same way in a real generation; and heads that predict the target's
-own greedy continuation accept every level of every tree.
+with a draft vocabulary and with a context encoder, and for eagle3 heads, in static and dynamic trees; heads
+trained by the trainer with a draft vocabulary are checked the same way in a real generation; and heads that
+predict the target's own greedy continuation accept every level of every tree.
 
 Bugs planted in `inference/drafters.py` to check these tests, and what caught each: parallel heads all scoring
 with head 1's logits (static, dynamic and always-right tests of both parallel kinds); dynamic-tree children
@@ -26,7 +26,7 @@ from test_inference_greedy import float64_model, greedy_reference
 from tiny import VOCAB, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext
+from inference.drafters import DraftContext, Eagle3Drafter
 from medusa_train.heads import DraftHeads
 from medusa_train.target import target_hidden
 
@@ -38,6 +38,8 @@ KINDS = {  # name: (kind, draft vocabulary size, context layers)
     "chained-draft-vocab": ("chained", 40, 0),
     "parallel-draft-vocab": ("parallel", 40, 0),
     "chained-context": ("chained", 0, 1),
+    "eagle3": ("eagle3", 0, 0),
+    "eagle3-draft-vocab": ("eagle3", 40, 0),
 }
 
 
@@ -77,7 +79,7 @@ def training_ranking(heads: DraftHeads, model, committed: list[int], path: list[
     Training computes head k at position t from x_{t+1}..x_{t+k} (teacher forcing); the engine drafts at
     t = n - 2, the position before the root, so the sequence is the committed tokens followed by the path."""
     seq = torch.tensor([committed + path])
-    h = target_hidden(model, seq, torch.ones_like(seq))
+    h = target_hidden(model, seq, torch.ones_like(seq), heads.spec.aux_layers)  # eagle3: its layers after h
     states = heads(h, seq, model.get_input_embeddings())  # [K, 1, T, d]
     k, t = len(path), len(committed) - 2
     logits = heads.logits(k, states[k, 0, t], model.get_output_embeddings()).double()
@@ -89,11 +91,11 @@ def draft_context(model, drafter: HeadsDrafter, committed: list[int], tree: str 
     """The context the generator builds: h at the root's predecessor, and (context heads) every committed
     position observed."""
     seq = torch.tensor([committed])
-    h = target_hidden(model, seq, torch.ones_like(seq))[0]
+    h = target_hidden(model, seq, torch.ones_like(seq), drafter.target_layers)[0]
     drafter.reset()
     if drafter.needs_history:
         drafter.observe(h[:-1], seq[0, 1:])
-    return DraftContext(seq[0, -1:], h[-2], committed, tree, budget)
+    return DraftContext(seq[0, -1:], h[-2, :model.config.hidden_size], committed, tree, budget)
 
 
 def check_static_tree(tree, heads, model, committed: list[int], paths) -> None:
@@ -147,7 +149,7 @@ def test_dynamic_tree_nodes_hang_under_the_parent_that_ranks_them(name):
         assert float(tree.scores[i]) == pytest.approx(float(tree.scores[parent]) + step, abs=1e-5)
 
 
-class OracleHeads(HeadsDrafter):
+class OracleMixin:
     """Heads whose every logit row puts all its mass on the target's true greedy token at that depth (a
     one-hot over the scored vocabulary): the drafter's own machinery (chained states, topk, the draft
     vocabulary's id map, static and dynamic trees) decides whether the engine sees it."""
@@ -171,6 +173,12 @@ class OracleHeads(HeadsDrafter):
         return out
 
 
+def oracle_heads(heads, target, truth: list[int]) -> HeadsDrafter:
+    """OracleMixin over the drafter the heads' kind gets (`HeadsDrafter`, or `Eagle3Drafter` for eagle3 heads)."""
+    base = Eagle3Drafter if heads.spec.kind == "eagle3" else HeadsDrafter
+    return type("OracleHeads", (OracleMixin, base), {})(heads, target, truth)
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_heads_that_are_always_right_accept_every_level(name, tree):
@@ -184,7 +192,7 @@ def test_heads_that_are_always_right_accept_every_level(name, tree):
     if heads.spec.draft_vocab_size:  # every true token must be in the draft vocabulary to be drafted
         ids = sorted(set(truth) | set(heads.draft_ids.tolist()))
         heads = DraftHeads.for_target(model, heads.spec.kind, K, draft_ids=torch.tensor(ids)).double()
-    gen = SpeculativeGenerator(model, tiny_tokenizer(), OracleHeads(heads, model, truth))
+    gen = SpeculativeGenerator(model, tiny_tokenizer(), oracle_heads(heads, model, truth))
     out = gen.generate(prompt, max_new_tokens=max_new, tree=tree, tree_budget=6, eos_token_id=[])
     assert out.token_ids.tolist() == truth_new[:max_new].tolist()
     assert out.stats.accept_lengths == [K + 1] * steps  # tau = tree depth + 1

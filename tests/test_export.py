@@ -116,6 +116,17 @@ def test_speculators_config_holds_what_vllm_reads(eagle3_dir, tmp_path):
     # without the embedding the engine shares the target's
     assert main([str(root / "heads"), str(tmp_path / "lean"), "--format", "speculators", "--no-embed"]) == 0
     assert "embed_tokens.weight" not in load_file(str(tmp_path / "lean" / "model.safetensors"))
+    # SGLang's layout: the same tensors, the layer as midlayer.*, the config a Llama config naming the EAGLE-3 class,
+    # its aux layers counted by the layer whose output is taken (ours minus one)
+    assert main([str(root / "heads"), str(tmp_path / "sgl"), "--format", "eagle3"]) == 0
+    sgl = load_file(str(tmp_path / "sgl" / "model.safetensors"))
+    assert set(sgl) == {k.replace("layers.0.", "midlayer.") for k in w if k != "embed_tokens.weight"}
+    assert all(torch.equal(sgl[k.replace("layers.0.", "midlayer.")], v) for k, v in w.items() if k in sgl
+               or k.startswith("layers.0."))
+    sgl_cfg = json.loads((tmp_path / "sgl" / "config.json").read_text())
+    assert sgl_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and sgl_cfg["model_type"] == "llama"
+    assert sgl_cfg["draft_vocab_size"] == 48 and sgl_cfg["num_hidden_layers"] == 1 and sgl_cfg["hidden_size"] == 32
+    assert sgl_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in heads.spec.aux_layers]
 
 
 def test_medusa_export_computes_our_parallel_heads(tmp_path):
@@ -176,6 +187,18 @@ def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
     assert main([str(root / "heads"), str(tmp_path / "full"), "--format", "speculators", "--force"]) == 0
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_mlp_speculator_export_goes_through_the_same_cli(tmp_path):
+    target = save_tiny(tmp_path / "target", "llama")
+    heads = DraftHeads.for_target(target, "chained", 2, block="mlp_speculator", target_name=str(tmp_path / "target"))
+    heads.save_pretrained(tmp_path / "heads")
+    assert main([str(tmp_path / "heads"), str(tmp_path / "out"), "--format", "mlp_speculator"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "mlp_speculator" and cfg["n_predict"] == 2
+    w = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(w["proj.1.weight"], heads.blocks[1].proj.weight)
+    assert torch.equal(w["head.0.weight"], target.get_output_embeddings().weight)
 
 
 def run(argv: list[str]) -> int:

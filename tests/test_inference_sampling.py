@@ -105,8 +105,8 @@ class FixedCandidates(TreeDrafter):
         return cand, torch.zeros(cand.shape, device=tokens.device), None
 
 
-def heads_generator(model) -> SpeculativeGenerator:
-    heads = DraftHeads.for_target(model, kind="chained", num_heads=3)
+def heads_generator(model, kind: str = "chained") -> SpeculativeGenerator:
+    heads = DraftHeads.for_target(model, kind=kind, num_heads=3)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in heads.parameters():
@@ -119,6 +119,15 @@ def test_lossless_sampling_matches_target_distribution():
     probs = exact_joint(model)
     gen = heads_generator(model)
     counts = empirical_counts(gen, 1500, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+
+
+def test_lossless_sampling_with_eagle3_heads():
+    """eagle3 heads: their own attention over committed positions and tree paths, fed the sampled tokens."""
+    model = small_vocab_model(seed=3)
+    probs = exact_joint(model)
+    counts = empirical_counts(heads_generator(model, "eagle3"), 1500, tree="static", tree_budget=5, temperature=1.0)
     stat, threshold = chi_square(counts, probs)
     assert stat < threshold, (stat, threshold)
 

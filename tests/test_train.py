@@ -237,6 +237,38 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(ws, run20):
     assert max_diff(Path(cfg.output_dir), out) <= 1e-6
 
 
+def test_eagle3_heads_train_through_the_same_loop_and_cache_their_layers(ws, tmp_path, monkeypatch):
+    """heads.kind=eagle3 through the ordinary trainer: every head parameter moves, the target stays bit-identical,
+    the hidden-state cache keeps h with the aux layers (and changes nothing), a cache of other layers is refused, and
+    the saved heads record the layers and reload."""
+    from medusa_train.config import ConfigError
+
+    from transformers import AutoModelForCausalLM
+
+    plain = train(config(ws, "e3-plain", "train.max_steps=12", "heads.kind=eagle3", "heads.draft_vocab_size=64"))
+    fresh = DraftHeads.for_target(plain.target, "eagle3", 3)
+    trained = dict(plain.heads.named_parameters())
+    for name, p0 in fresh.named_parameters():
+        assert not torch.equal(p0, trained[name].detach().cpu()), f"eagle3 parameter {name} did not move"
+    on_disk = AutoModelForCausalLM.from_pretrained(ws / "model", dtype=torch.float32).state_dict()
+    assert all(torch.equal(w, plain.target.state_dict()[k]) for k, w in on_disk.items())
+    spec = json.loads((ws / "e3-plain" / "config.json").read_text())
+    assert spec["kind"] == "eagle3" and spec["aux_layers"] == [1, 2] and spec["layer_config"]["model_type"] == "llama"
+    assert DraftHeads.from_pretrained(ws / "e3-plain", target=plain.target).spec.aux_layers == [1, 2]
+
+    cache_dir = tmp_path / "h"
+    cached = train(config(ws, "e3-cached", "train.max_steps=12", "heads.kind=eagle3", "heads.draft_vocab_size=64",
+                          f"train.hidden_cache_dir={cache_dir}"))
+    assert cached.step == 12 and max_diff(ws / "e3-plain", ws / "e3-cached") <= 1e-6
+    assert json.loads((cache_dir / "meta.json").read_text())["layers"] == [1, 2]
+    rows = torch.load(sorted(cache_dir.glob("shard-*.pt"))[0], weights_only=True)
+    assert {v.shape[-1] for v in rows.values()} == {3 * 32}  # h, then the two aux layers
+    with pytest.raises(ConfigError, match=r"holds the target's states at layers \[1, 2\], but these heads read none"):
+        train(config(ws, "e3-chained", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
+    with pytest.raises(ConfigError, match="heads.aux_layers=\\[1, 5\\]: the target has 2 layers"):
+        train(config(ws, "e3-bad", "heads.kind=eagle3", "heads.aux_layers=[1,5]"))
+
+
 def test_loss_falls_by_a_large_factor_on_one_repeated_batch(ws):
     # one short document -> two rows of <= 24 tokens -> every step sees the same batch of 2
     (ws / "one.jsonl").write_text(json.dumps({"text": "the cat sat on the mat and the dog ran"}) + "\n")

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# eagle3 against chained and parallel heads: the same distilled data, the same wall-clock of training, then the
+# benchmark on MT-Bench's 80 first turns at the auto budget and at 8 nodes (docs/results.md, "Head kinds").
+#
+#   DATA=dir bash scripts/compare_kinds.sh     # dir holds FastChat's MT-Bench question.jsonl (as mt_bench_question.jsonl)
+#
+# Steps per kind give each about five minutes on 2 cores of an AMD EPYC (bfloat16 target): a cached chained or
+# parallel step takes 0.31 s, an eagle3 step 1.07 s, and the first epoch adds the target's forward (~1 s a step);
+# scripts/profile_train_step.py measures them on another machine. Every stage resumes: finished ones are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${DATA:?set DATA to the directory holding mt_bench_question.jsonl}"
+WORK=${WORK:-runs/kinds}
+STEPS_CHAINED=${STEPS_CHAINED:-760} STEPS_PARALLEL=${STEPS_PARALLEL:-760} STEPS_EAGLE3=${STEPS_EAGLE3:-220}
+MTBENCH="$DATA/mt_bench_question.jsonl"
+T=$(python -m medusa_train.prepare)
+mkdir -p "$WORK"
+python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
+    --out "$WORK/distill-default.jsonl" --limit 256 --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
+train() {  # kind steps
+    local out="$WORK/heads-$1"
+    if [ -f "$out/acceptance.json" ]; then echo "$1 heads already in $out"; return; fi
+    local t0=$SECONDS
+    python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
+        target.dtype=bfloat16 heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
+        train.lr=3e-3 train.batch_size=4 data.max_length=384 train.warmup_steps=$(( $2 / 20 )) train.save_every=0 \
+        eval.every="$2" eval.max_batches=4 train.log_every=$(( $2 / 20 )) tracking.backend=none output_dir="$out"
+    echo "$1: $2 steps trained in $(( SECONDS - t0 )) s" | tee -a "$WORK/train-times.txt"
+}
+train chained "$STEPS_CHAINED"
+train parallel "$STEPS_PARALLEL"
+train eagle3 "$STEPS_EAGLE3"
+for budget in auto 8; do
+    python -m inference.bench --target "$T" --heads "$WORK/heads-chained" --heads-parallel "$WORK/heads-parallel" \
+        --heads-eagle3 "$WORK/heads-eagle3" --methods ar,parallel,chained,eagle3 --prompts "$MTBENCH" \
+        --max-new-tokens 128 --tree-budget "$budget" --out "$WORK/results-mtbench80-kinds-$budget.json" \
+        --plot "$WORK/bench-mtbench80-kinds-$budget.png"
+done
