@@ -244,11 +244,12 @@ class SpeculativeGenerator:
         supports it, else float32; a float32 CPU target runs its linear layers on oneDNN
         (`inference.kernels`). `lookup_nodes` grafts n-gram prompt lookup onto the heads' tree
         (`HybridDrafter`): up to that many of each step's draft nodes, and at most half of them, follow an
-        earlier match of the context (0: the heads alone)."""
+        earlier match of the context (0: the heads alone). Heads trained for a target with a peft adapter
+        (`target.adapter`) load it with that adapter merged in, and refuse a loaded model without it."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import load_spec
-        from medusa_train.target import default_device, resolve_dtype
+        from medusa_train.target import default_device, merge_adapter, recorded_adapter, resolve_dtype
 
         spec = load_spec(heads_dir)  # FileNotFoundError first if it is not a heads directory
         if isinstance(target, nn.Module):
@@ -261,7 +262,11 @@ class SpeculativeGenerator:
             dev = default_device(device)
             if not isinstance(dtype, torch.dtype):
                 dtype = resolve_dtype(dtype or "auto", dev)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(dev)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+            adapter = recorded_adapter(spec.target_fingerprint)
+            if adapter:  # heads trained for base + adapter: the same, merged
+                model = merge_adapter(model, adapter, name)
+            model = model.to(dev)
             use_onednn_linear(model)  # float32 on a CPU: oneDNN's matmul, faster at every row count
         if tokenizer is None and name:
             tokenizer = AutoTokenizer.from_pretrained(name)

@@ -46,6 +46,10 @@ class TargetConfig:
     chat_template: str | None = None
     """A Jinja chat template (a .jinja file path, or the template itself) for targets whose tokenizer has
     none (e.g. Vicuna); None keeps the tokenizer's own."""
+    adapter: str = ""
+    """A peft adapter directory (what `PeftModel.save_pretrained` wrote) for targets served as base + adapter: the
+    frozen target is `model` with this adapter merged in. The heads record it, so loading them brings base +
+    adapter back, and they refuse the bare base model."""
 
 
 @dataclass
@@ -395,6 +399,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     tmpl = cfg.target.chat_template
     need(tmpl is None or "{{" in tmpl or "{%" in tmpl or Path(os.path.expanduser(tmpl)).is_file(),
          f"target.chat_template: {tmpl} is neither a file nor a Jinja template")
+    if cfg.target.adapter:
+        adapter = Path(os.path.expanduser(cfg.target.adapter))
+        need(adapter.is_dir(), f"target.adapter: directory not found: {cfg.target.adapter}")
+        need((adapter / "adapter_config.json").is_file(),
+             f"target.adapter={cfg.target.adapter} is not a peft adapter (no adapter_config.json): point it at the "
+             "directory PeftModel.save_pretrained wrote")
     if cfg.target.gguf_file is not None and Path(os.path.expanduser(cfg.target.model)).is_dir():
         need((Path(os.path.expanduser(cfg.target.model)) / cfg.target.gguf_file).is_file(),
              f"target.gguf_file: {cfg.target.gguf_file} not found in {cfg.target.model}")

@@ -36,6 +36,7 @@ import torch
 from .errors import ArgumentParser
 from .files import CONFIG_NAME, WEIGHTS_NAME
 from .heads import DraftHeads, load_spec
+from .target import recorded_adapter
 
 FORMATS = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
 SPECULATORS_VERSION = "0.9.0"
@@ -55,14 +56,18 @@ def _target_config(name: str):
                           "--target with a local copy of the target") from None
 
 
-def _target_model(name: str):
+def _target_model(name: str, adapter: str | None = None):
+    """The target in float32, with the peft adapter the heads were trained for merged in (if any)."""
     from transformers import AutoModelForCausalLM
 
+    from .target import merge_adapter
+
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
                           "local copy of the target") from None
+    return merge_adapter(model, adapter, name) if adapter else model
 
 
 def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str]) -> dict[str, Any]:
@@ -179,13 +184,14 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
     check_request(heads_dir, out, fmt, force)
     heads = DraftHeads.from_pretrained(heads_dir)
     name = target or heads.spec.target_name
+    adapter = recorded_adapter(heads.spec.target_fingerprint)
     if not name:
         raise ExportError(f"{heads_dir}/config.json names no target: pass --target")
     final = Path(out)
     final.resolve().parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any]
     if fmt in ("speculators", "eagle3"):
-        model = _target_model(name) if embed and fmt == "speculators" else None
+        model = _target_model(name, adapter) if embed and fmt == "speculators" else None
         config = (model.config if model is not None else _target_config(name))
         archs = list(getattr(config, "architectures", None) or [])
         if not archs:
@@ -201,11 +207,11 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
             config, state = eagle3_files(heads, files["config"], state)
             files = {"config": config, "state": state}
     elif fmt == "medusa":
-        model = None if heads.lm_heads is not None else _target_model(name)
+        model = None if heads.lm_heads is not None else _target_model(name, adapter)
         config, state = medusa_files(heads, None if model is None else model.get_output_embeddings().weight)
         files = {"config": config, "state": state}
     else:
-        model = _target_model(name)
+        model = _target_model(name, adapter)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
         try:
             heads.export_mlp_speculator(staging, model)

@@ -106,21 +106,42 @@ def _signature(weight: torch.Tensor, n_rows: int = 16) -> list[float]:
     return [round(float(c), 6) for c in cos]
 
 
+@torch.no_grad()
+def output_signature(target: nn.Module, n: int = 8) -> list[float]:
+    """What the target computes, not only what it stores: cosines of its final hidden states on a fixed 16-token input
+    with fixed directions (an adapter merged into its layers moves them; its embedding and LM head often not)."""
+    weight = target.get_output_embeddings().weight
+    vocab, d = weight.shape
+    ids = ((torch.arange(16) * 7919 + 13) % vocab).to(weight.device)[None]
+    base = target.get_base_model() if hasattr(target, "get_base_model") else target
+    h = base.base_model(input_ids=ids).last_hidden_state[0, -n:].to("cpu", torch.float64)
+    h = h / h.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return [round(float(c), 6) for c in (h * _probe_directions(d, n)).sum(dim=1)]
+
+
 def target_fingerprint(target: nn.Module) -> dict[str, Any]:
-    """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head."""
+    """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head; for a target
+    with a peft adapter merged in (`medusa_train.target.merge_adapter`), the adapter and the output signatures of the
+    base and the adapted model, so that the bare base can be told apart."""
     emb = target.get_input_embeddings().weight
     out = target.get_output_embeddings().weight
-    return {
+    fp = {
         "hidden_size": int(emb.shape[1]),
         "vocab_size": int(out.shape[0]),
         "embed_signature": _signature(emb),
         "lm_head_signature": _signature(out),
     }
+    if getattr(target, "medusa_adapter", None):
+        fp["adapter"] = dict(target.medusa_adapter)
+    return fp
 
 
-def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any]) -> str | None:
+def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any], target: nn.Module | None = None
+                           ) -> str | None:
     """None when `got` is the same target as `expected` (signatures within FINGERPRINT_ATOL, so copies in
-    another dtype match); else what differs, as the tail of a sentence."""
+    another dtype match); else what differs, as the tail of a sentence. When `expected` records an adapter, `target`
+    (whose fingerprint `got` is) is run once to tell the adapted model from its bare base: the nearer of the two
+    recorded output signatures decides."""
     for key in ("hidden_size", "vocab_size"):
         if key in expected and expected[key] != got.get(key):
             return f"{key} is {got.get(key)}, expected {expected[key]}"
@@ -130,12 +151,27 @@ def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any]) -> str
             if diff > FINGERPRINT_ATOL:
                 what = "embedding" if key == "embed_signature" else "LM head"
                 return f"its {what} weights differ (signature off by {diff:.3g})"
+    want, have = expected.get("adapter"), got.get("adapter")
+    if want:
+        # without a target to run, a fingerprint with no adapter is the bare base's
+        sig = have["adapted_signature"] if have else output_signature(target) if target is not None else None
+
+        def gap(ref: list[float]) -> float:
+            return max(abs(a - b) for a, b in zip(ref, sig))
+
+        if sig is None or gap(want["base_signature"]) < gap(want["adapted_signature"]):
+            return (f"it is the bare base model, but they were trained for it with the adapter {want['path']} "
+                        "merged in: load the target with that adapter (SpeculativeGenerator.from_pretrained(heads_dir) "
+                        "does, and target.adapter in a recipe)")
+    elif have:
+        return (f"it has the adapter {have['path']} merged in, but they were made for the bare base model: load the "
+                "target without it, or train for the adapted model (target.adapter)")
     return None
 
 
 def check_fingerprint(expected: dict[str, Any], target: nn.Module, target_name: str = "") -> None:
     """Raise HeadsMismatchError naming the first property in which `target` differs from `expected`."""
-    diff = fingerprint_difference(expected, target_fingerprint(target))
+    diff = fingerprint_difference(expected, target_fingerprint(target), target)
     if diff is not None:
         where = f" (heads were trained for {target_name})" if target_name else ""
         raise HeadsMismatchError(f"heads do not fit this target: {diff}{where}")

@@ -92,9 +92,39 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
         raise _load_error(cfg, "model", e) from None
     if model.get_output_embeddings() is None:
         raise TargetLoadError(f"target.model: {cfg.model!r} has no LM head; draft heads need a causal LM")
+    if cfg.adapter:
+        model = merge_adapter(model, cfg.adapter, cfg.model)
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def merge_adapter(model: nn.Module, adapter: str | os.PathLike, base_name: str = "") -> nn.Module:
+    """`model` with the peft adapter at `adapter` merged into its weights (a plain transformers model again, as fast
+    as the base). TargetLoadError in one line when the adapter was made for another base model."""
+    from peft import PeftModel
+
+    from .heads import output_signature
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, os.path.expanduser(str(adapter)))
+    except (RuntimeError, ValueError, KeyError) as e:
+        first = " ".join(str(e).split())[:160]
+        raise TargetLoadError(f"target.adapter={adapter} does not fit the target {base_name or 'model'} ({first}): "
+                              "it was made for another base model; pass the base it was trained on") from None
+    with peft_model.disable_adapter():
+        base = output_signature(peft_model)
+    merged = peft_model.merge_and_unload()
+    # what the heads' fingerprint records, so that heads made for base + adapter know the bare base when they see it
+    where = Path(os.path.expanduser(str(adapter)))
+    path = str(where.resolve()) if where.exists() else str(adapter)
+    merged.medusa_adapter = {"path": path, "base_signature": base, "adapted_signature": output_signature(merged)}
+    return merged
+
+
+def recorded_adapter(fingerprint: dict) -> str | None:
+    """The adapter a heads' fingerprint says their target had merged in (None: the bare model)."""
+    return (fingerprint.get("adapter") or {}).get("path")
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
