@@ -139,7 +139,7 @@ def main() -> None:
                         help="random mode: model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     random = parser.add_argument_group("random mode")
     random.add_argument("--steps", type=int, default=40)
-    random.add_argument("--kind", default="chained", choices=("chained", "parallel"))
+    random.add_argument("--kind", default="chained", choices=("chained", "parallel", "eagle3"))
     random.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
     random.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
     random.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))
