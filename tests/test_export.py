@@ -58,6 +58,7 @@ def eagle3_dir(tmp_path_factory):
     return root, target, heads
 
 
+@pytest.mark.timeout(600)  # the first run on a machine installs speculators into its venv
 def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, speculators_python, tmp_path):
     root, target, heads = eagle3_dir
     assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
