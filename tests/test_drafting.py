@@ -136,7 +136,8 @@ def test_dynamic_tree_nodes_hang_under_the_parent_that_ranks_them(name):
     committed = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(4)).tolist()
     budget = 10
     drafter = HeadsDrafter(heads, model)
-    tree = drafter.draft(draft_context(model, drafter, committed, "dynamic", budget))
+    with torch.no_grad():  # as the generator drafts
+        tree = drafter.draft(draft_context(model, drafter, committed, "dynamic", budget))
     width = min(drafter.dynamic_topk, math.ceil(math.sqrt(budget)) + 1, budget)
     assert tree.size == budget + 1 and tree.max_depth >= 2
     for i in range(1, tree.size):
