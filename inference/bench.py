@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from inference.kernels import use_onednn_linear
     from medusa_train.files import write_json
     from medusa_train.heads import load_spec
-    from medusa_train.target import default_device, merge_adapter, recorded_adapter, resolve_dtype
+    from medusa_train.target import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype
 
     device = default_device(args.device)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -407,13 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     dtype = resolve_dtype(args.dtype, device)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
-    adapters = {recorded_adapter(load_spec(d).target_fingerprint)
-                for d in (args.heads, args.heads_parallel, args.heads_eagle3) if d}
+    fingerprints = [load_spec(d).target_fingerprint for d in (args.heads, args.heads_parallel, args.heads_eagle3) if d]
+    adapters = {recorded_adapter(fp) for fp in fingerprints}
     if len(adapters) > 1:
         log(f"error: the heads were trained for different targets (adapters {sorted(map(str, adapters))})")
         return 2
-    if adapters and next(iter(adapters)):  # heads for base + adapter: every method runs that target, ar included
-        target = merge_adapter(target, next(iter(adapters)), args.target)
+    if fingerprints:  # heads for base + adapter: every method runs that target, ar included
+        target = merge_recorded_adapter(target, fingerprints[0], args.target)
     target = target.to(device).eval()
     kernels = ""
     if args.cpu_linear != "default" and use_onednn_linear(target, pack=args.cpu_linear == "onednn"):

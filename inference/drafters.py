@@ -284,11 +284,15 @@ class HeadsDrafter(TreeDrafter):
             logits = self.head_logits(k, s).float()  # [M, V_draft]
         else:
             s, logits = states, self._parallel_logits[k:k + 1]  # [1, V_draft], the same for every node
-        top = torch.topk(logits, num, dim=-1)
-        logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)  # log-probs of the candidates only
-        cand = self.heads.to_target_ids(top.indices)
+        cand, logq = self.candidates(logits, num)
         m = tokens.shape[0]
         return cand.expand(m, -1), logq.expand(m, -1), s
+
+    def candidates(self, logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `num` best of each row of logits [M, V_draft]: (target ids, their log-probabilities), best first."""
+        top = torch.topk(logits, num, dim=-1)
+        logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)  # log-probs of the candidates only
+        return self.heads.to_target_ids(top.indices), logq
 
 
 class Eagle3Drafter(HeadsDrafter):
@@ -340,10 +344,8 @@ class Eagle3Drafter(HeadsDrafter):
             path = path.clone()
             path[:, k - 1, 0], path[:, k - 1, 1] = key, value
             child = torch.cat([s, path.flatten(1)], dim=-1)
-        logits = self.head_logits(k, s).float()  # [M, V_draft]
-        top = torch.topk(logits, num, dim=-1)
-        logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
-        return self.heads.to_target_ids(top.indices), logq, child
+        cand, logq = self.candidates(self.head_logits(k, s).float(), num)
+        return cand, logq, child
 
 
 def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:

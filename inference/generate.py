@@ -33,7 +33,7 @@ from inference.verify import (accept_greedy, accept_lossless, accept_typical, sa
                               target_probs, verify_tree)
 from medusa_train.chat import render_prompt
 from medusa_train.errors import ArgumentParser
-from medusa_train.target import eos_ids
+from medusa_train.target import eos_ids, text_config
 
 Acceptance = Literal["exact", "typical"]
 
@@ -160,7 +160,7 @@ def check_supported(model: nn.Module) -> None:
 def context_limit(model: nn.Module) -> int | None:
     """Longest sequence the engine may build: max_position_embeddings, and the sliding window / attention
     chunk if any layer uses one (the tree mask is passed as is, so windows are never applied)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     limits = []
     max_pos = getattr(text, "max_position_embeddings", None)
     if max_pos:
@@ -249,7 +249,7 @@ class SpeculativeGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import load_spec
-        from medusa_train.target import default_device, merge_adapter, recorded_adapter, resolve_dtype
+        from medusa_train.target import default_device, merge_recorded_adapter, resolve_dtype
 
         spec = load_spec(heads_dir)  # FileNotFoundError first if it is not a heads directory
         if isinstance(target, nn.Module):
@@ -263,10 +263,7 @@ class SpeculativeGenerator:
             if not isinstance(dtype, torch.dtype):
                 dtype = resolve_dtype(dtype or "auto", dev)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-            adapter = recorded_adapter(spec.target_fingerprint)
-            if adapter:  # heads trained for base + adapter: the same, merged
-                model = merge_adapter(model, adapter, name)
-            model = model.to(dev)
+            model = merge_recorded_adapter(model, spec.target_fingerprint, name).to(dev)
             use_onednn_linear(model)  # float32 on a CPU: oneDNN's matmul, faster at every row count
         if tokenizer is None and name:
             tokenizer = AutoTokenizer.from_pretrained(name)

@@ -33,6 +33,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from .target import text_config
+
 Cache = tuple[torch.Tensor, torch.Tensor]  # keys, values of committed positions: each [kv_heads, P, head_dim]
 
 
@@ -49,7 +51,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 def layer_config(target_config: Any) -> dict[str, Any]:
     """The draft layer's LlamaConfig, sized like the target (hidden size, heads, MLP width, rotary, norm eps), as
     the diff dict speculators writes for `transformer_layer_config`."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text = text_config(target_config)
     d, heads = text.hidden_size, text.num_attention_heads
     rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     if "sliding_attention" in rope or "full_attention" in rope:  # per-layer-type rotary: take the full one
@@ -64,6 +66,13 @@ def layer_config(target_config: Any) -> dict[str, Any]:
         rope_parameters=dict(rope), num_hidden_layers=1, hidden_act="silu", attention_bias=False, mlp_bias=False,
         tie_word_embeddings=False)
     return cfg.to_diff_dict()
+
+
+def spec_fields(target_config: Any, aux_layers: list[int] | None = None) -> dict[str, Any]:
+    """The eagle3 fields of a `HeadsSpec` for a target of this config: `aux_layers` (default `default_aux_layers`)
+    and `layer_config`."""
+    layers = text_config(target_config).num_hidden_layers
+    return {"aux_layers": list(aux_layers or default_aux_layers(layers)), "layer_config": layer_config(target_config)}
 
 
 def llama_config(layer: dict[str, Any]) -> LlamaConfig:

@@ -36,7 +36,7 @@ import torch
 from .errors import ArgumentParser
 from .files import CONFIG_NAME, WEIGHTS_NAME
 from .heads import DraftHeads, load_spec
-from .target import recorded_adapter
+from .target import merge_recorded_adapter
 
 FORMATS = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
 SPECULATORS_VERSION = "0.9.0"
@@ -56,18 +56,16 @@ def _target_config(name: str):
                           "--target with a local copy of the target") from None
 
 
-def _target_model(name: str, adapter: str | None = None):
-    """The target in float32, with the peft adapter the heads were trained for merged in (if any)."""
+def _target_model(name: str, fingerprint: dict[str, Any]):
+    """The target in float32, with the peft adapter the heads (of this fingerprint) were trained for merged in."""
     from transformers import AutoModelForCausalLM
-
-    from .target import merge_adapter
 
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
                           "local copy of the target") from None
-    return merge_adapter(model, adapter, name) if adapter else model
+    return merge_recorded_adapter(model, fingerprint, name)
 
 
 def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str]) -> dict[str, Any]:
@@ -117,15 +115,15 @@ def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[s
     return state
 
 
-def eagle3_files(heads: DraftHeads, speculators: dict[str, Any], state: dict[str, torch.Tensor]
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json, tensors) in the original EAGLE-3 layout, from the speculators export of the same heads."""
-    config = {k: v for k, v in speculators["transformer_layer_config"].items() if k != "transformers_version"}
-    config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": speculators["draft_vocab_size"],
+def eagle3_files(heads: DraftHeads, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) in the original EAGLE-3 layout, from the speculators tensors of the same heads (without
+    the embedding: SGLang shares the target's)."""
+    config = {k: v for k, v in heads.spec.layer_config.items() if k != "transformers_version"}
+    config |= {"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
+               "draft_vocab_size": heads.spec.scored_vocab,
                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in heads.spec.aux_layers]},
                "torch_dtype": "float32"}
-    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-               for k, v in state.items() if k != "embed_tokens.weight"}
+    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     return config, renamed
 
 
@@ -184,14 +182,14 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
     check_request(heads_dir, out, fmt, force)
     heads = DraftHeads.from_pretrained(heads_dir)
     name = target or heads.spec.target_name
-    adapter = recorded_adapter(heads.spec.target_fingerprint)
+    fingerprint = heads.spec.target_fingerprint
     if not name:
         raise ExportError(f"{heads_dir}/config.json names no target: pass --target")
     final = Path(out)
     final.resolve().parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any]
-    if fmt in ("speculators", "eagle3"):
-        model = _target_model(name, adapter) if embed and fmt == "speculators" else None
+    if fmt == "speculators":
+        model = _target_model(name, fingerprint) if embed else None
         config = (model.config if model is not None else _target_config(name))
         archs = list(getattr(config, "architectures", None) or [])
         if not archs:
@@ -203,15 +201,15 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
             check_fingerprint(heads.spec.target_fingerprint, model, heads.spec.target_name)
         state = speculators_tensors(heads, model.get_input_embeddings().weight if model is not None else None)
         files = {"config": speculators_config(heads, verifier or name, archs), "state": state}
-        if fmt == "eagle3":
-            config, state = eagle3_files(heads, files["config"], state)
-            files = {"config": config, "state": state}
+    elif fmt == "eagle3":  # no embedding, no verifier: nothing to read from the target
+        config, state = eagle3_files(heads, speculators_tensors(heads, None))
+        files = {"config": config, "state": state}
     elif fmt == "medusa":
-        model = None if heads.lm_heads is not None else _target_model(name, adapter)
+        model = None if heads.lm_heads is not None else _target_model(name, fingerprint)
         config, state = medusa_files(heads, None if model is None else model.get_output_embeddings().weight)
         files = {"config": config, "state": state}
     else:
-        model = _target_model(name, adapter)
+        model = _target_model(name, fingerprint)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
         try:
             heads.export_mlp_speculator(staging, model)

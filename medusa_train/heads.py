@@ -161,8 +161,8 @@ def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any], target
 
         if sig is None or gap(want["base_signature"]) < gap(want["adapted_signature"]):
             return (f"it is the bare base model, but they were trained for it with the adapter {want['path']} "
-                        "merged in: load the target with that adapter (SpeculativeGenerator.from_pretrained(heads_dir) "
-                        "does, and target.adapter in a recipe)")
+                    "merged in: load the target with that adapter (SpeculativeGenerator.from_pretrained(heads_dir) "
+                    "does, and target.adapter in a recipe)")
     elif have:
         return (f"it has the adapter {have['path']} merged in, but they were made for the bare base model: load the "
                 "target without it, or train for the adapted model (target.adapter)")
@@ -400,11 +400,9 @@ class DraftHeads(nn.Module):
         out = target.get_output_embeddings().weight
         eagle3: dict[str, Any] = {}
         if kind == "eagle3":
-            from .eagle3 import default_aux_layers, layer_config
+            from .eagle3 import spec_fields
 
-            text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-            eagle3 = {"aux_layers": list(aux_layers or default_aux_layers(text.num_hidden_layers)),
-                      "layer_config": layer_config(target.config)}
+            eagle3 = spec_fields(target.config, aux_layers)
             if draft_ids is not None:  # ascending, as speculators' t2d mask orders the draft vocabulary
                 draft_ids = torch.sort(draft_ids).values
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],

@@ -127,6 +127,12 @@ def recorded_adapter(fingerprint: dict) -> str | None:
     return (fingerprint.get("adapter") or {}).get("path")
 
 
+def merge_recorded_adapter(model: nn.Module, fingerprint: dict, base_name: str = "") -> nn.Module:
+    """`model` as the heads with this fingerprint were trained on it: with their recorded adapter merged in, if any."""
+    adapter = recorded_adapter(fingerprint)
+    return merge_adapter(model, adapter, base_name) if adapter else model
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
                 dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
     """(model, tokenizer): the frozen target (see `load_model`) and its tokenizer."""
@@ -142,9 +148,14 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
+def text_config(config):
+    """The text model's config (a multimodal config's text part; any other config as it is)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's stack of decoder layers (the base model's ModuleList with one entry per hidden layer)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     n = getattr(config, "num_hidden_layers", None)
     for child in model.base_model.children():
         if isinstance(child, nn.ModuleList) and len(child) == n:
@@ -195,9 +206,15 @@ def target_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     Read from the decoder's own output (`model.base_model(...).last_hidden_state`), so no model code is
     copied or patched; the decoder applies its final norm before returning it for every HF causal LM.
     """
+    return hidden_with_layers(model, layers, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+
+def hidden_with_layers(model: nn.Module, layers: Sequence[int], **forward_kwargs) -> torch.Tensor:
+    """`model.base_model(**forward_kwargs).last_hidden_state`, followed on the last dimension by the states at
+    `layers` (`capture_layers`) when there are any: the one forward behind training's `target_hidden` and the
+    engine's `inference.verify.target_forward`."""
     if not layers:
-        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state
+        return model.base_model(**forward_kwargs).last_hidden_state
     with capture_layers(model, layers) as states:
-        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return torch.cat([out.last_hidden_state, *states], dim=-1)
+        h = model.base_model(**forward_kwargs).last_hidden_state
+    return torch.cat([h, *states], dim=-1)

@@ -40,7 +40,7 @@ from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
 from .losses import STATS, HeadsObjective, summarize
-from .target import load_model, load_tokenizer
+from .target import load_model, load_tokenizer, text_config
 from .target_states import TargetStates
 
 CHECKPOINTS = "checkpoints"
@@ -504,7 +504,7 @@ def target_text_config(cfg: Config):
         config = AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
     except Exception:  # noqa: BLE001 - offline, missing, gated: all reported by the model load
         return None
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(config)
 
 
 def head_parameters(cfg: Config, text) -> int:
@@ -515,10 +515,9 @@ def head_parameters(cfg: Config, text) -> int:
     h = cfg.heads
     eagle3: dict[str, Any] = {}
     if h.kind == "eagle3":
-        from .eagle3 import default_aux_layers, layer_config
+        from .eagle3 import spec_fields
 
-        eagle3 = {"aux_layers": h.aux_layers or default_aux_layers(text.num_hidden_layers),
-                  "layer_config": layer_config(text)}
+        eagle3 = spec_fields(text, h.aux_layers)
     spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
                      own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
