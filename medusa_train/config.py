@@ -27,6 +27,24 @@ __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
 
 @dataclass
+class LoraSettings:
+    r: int = 0
+    """LoRA rank. > 0 turns on joint (Medusa-2) training: peft LoRA adapters on the target train together with
+    the heads, and the heads draft for the adapted target, whose output is no longer the original's (see
+    `loss.lm_weight`). 0: the target stays frozen (Medusa-1)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.05
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]); empty: peft's default for the
+    architecture. The embedding and the LM head cannot take one (the heads share them)."""
+    lr: float = 2.0e-4
+    """The adapters' learning rate (the heads use train.lr); same warm-up and cosine shape, starting after
+    train.heads_warmup_steps."""
+
+
+@dataclass
 class TargetConfig:
     model: str = ""
     """Hub name or local directory of the frozen target (any causal LM that `from_pretrained` loads)."""
@@ -50,6 +68,8 @@ class TargetConfig:
     """A peft adapter directory (what `PeftModel.save_pretrained` wrote) for targets served as base + adapter: the
     frozen target is `model` with this adapter merged in. The heads record it, so loading them brings base +
     adapter back, and they refuse the bare base model."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """Joint (Medusa-2) training: LoRA on the target, trained with the heads (`target.lora.r` > 0)."""
 
 
 @dataclass
@@ -144,6 +164,10 @@ class TrainConfig:
     epoch after the first skips the target forward (costs d x 4 bytes per token in float32: for small targets and
     datasets, such as the offline default; eagle3 heads also keep their three layers, 4 d x 4 bytes; a bfloat16
     forward, `target.forward_dtype=bfloat16` or `target.dtype=bfloat16`, halves either)."""
+    heads_warmup_steps: int = 0
+    """Joint training (target.lora): the first this-many optimizer steps train the heads alone on the original
+    target (the adapters stay still, and the step costs what a frozen-target step does), then heads and adapters
+    train together."""
     hidden_cache_dir: str = ""
     """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)
@@ -159,6 +183,10 @@ class LossConfig:
     """Weight of cross-entropy to the data token x_{t+1+k}."""
     decay: float = 0.8
     """Head k's loss is weighted decay**(k-1)."""
+    lm_weight: float = 1.0
+    """Joint training (target.lora): weight of KL(original target || adapted target) on the next token at every
+    supervised position, which keeps the adapted target's own predictions close to the original's (Medusa-2's
+    self-distillation). The loss is the heads' loss plus this times that KL."""
     chunk_size: int = 1024
     """Positions per chunk when computing vocab-sized logits, so fp32 logits for all heads over the
     whole batch are never alive at once."""
@@ -405,6 +433,24 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         need((adapter / "adapter_config.json").is_file(),
              f"target.adapter={cfg.target.adapter} is not a peft adapter (no adapter_config.json): point it at the "
              "directory PeftModel.save_pretrained wrote")
+    lora = cfg.target.lora
+    need(lora.r >= 0, f"target.lora.r must be >= 0 (0: a frozen target), got {lora.r}")
+    if lora.r:
+        need(lora.alpha > 0, f"target.lora.alpha must be > 0, got {lora.alpha}")
+        need(0 <= lora.dropout < 1, f"target.lora.dropout must be in [0, 1), got {lora.dropout}")
+        need(lora.lr > 0, f"target.lora.lr must be > 0, got {lora.lr}")
+        need(not cfg.train.cache_hidden and not cfg.train.hidden_cache_dir,
+             "target.lora trains the target, so its hidden states change every step and cannot be cached: set "
+             "train.cache_hidden=false and train.hidden_cache_dir='' (or target.lora.r=0 for frozen-target heads)")
+        need(not cfg.target.adapter, "target.lora trains a new adapter on target.model, and target.adapter is "
+                                     "another one: merge that adapter into a model directory first (peft's "
+                                     "merge_and_unload, then save_pretrained) and point target.model at it")
+        need(cfg.target.forward_dtype == "same",
+             f"target.lora: the target's forward trains, so it runs in target.dtype: remove "
+             f"target.forward_dtype={cfg.target.forward_dtype}")
+    else:
+        need(not cfg.train.heads_warmup_steps, "train.heads_warmup_steps is for joint training: set target.lora.r "
+                                               "> 0, or remove it")
     if cfg.target.gguf_file is not None and Path(os.path.expanduser(cfg.target.model)).is_dir():
         need((Path(os.path.expanduser(cfg.target.model)) / cfg.target.gguf_file).is_file(),
              f"target.gguf_file: {cfg.target.gguf_file} not found in {cfg.target.model}")
@@ -455,6 +501,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     need(t.save_every >= 0, f"train.save_every must be >= 0 (0: only at the end), got {t.save_every}")
     need(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    need(t.heads_warmup_steps >= 0, f"train.heads_warmup_steps must be >= 0, got {t.heads_warmup_steps}")
     need(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0 (0: never stop), got "
                                      f"{t.max_nonfinite_steps}")
 
@@ -463,6 +510,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(lo.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {lo.ce_weight}")
     need(lo.distill_weight + lo.ce_weight > 0, "loss.distill_weight and loss.ce_weight cannot both be 0")
     need(0 < lo.decay <= 1, f"loss.decay must be in (0, 1], got {lo.decay}")
+    need(lo.lm_weight >= 0, f"loss.lm_weight must be >= 0, got {lo.lm_weight}")
     need(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
 
     need(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")

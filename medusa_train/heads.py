@@ -584,4 +584,7 @@ def load_spec(directory: str | os.PathLike) -> HeadsSpec:
     if missing:
         raise ValueError(f"{Path(directory) / CONFIG_NAME} is not a draft heads config (no {', '.join(missing)}): "
                          "is this a model directory? Name the directory train.py wrote the heads to")
+    adapter = (raw.get("target_fingerprint") or {}).get("adapter")
+    if adapter and not Path(os.path.expanduser(adapter["path"])).is_absolute():  # saved next to the heads (target.lora)
+        adapter["path"] = str(Path(directory).resolve() / adapter["path"])
     return HeadsSpec(**{k: v for k, v in raw.items() if k in names})

@@ -4,6 +4,7 @@
     train_loop(run)            # for each micro-batch:
                                #   h, greedy = run.states(batch)      frozen target (or its cache), no grad
                                #   loss = objective(h, greedy, ...)   heads + chunked KL/CE (only heads learn)
+                               #   (target.lora: objective(batch) runs the adapted target too, `joint.py`)
                                #   backward; on a sync step: clip, optimizer step, lr schedule
                                #   every log_every steps: reduce metrics across processes, one host sync, log
                                #   every eval.every steps: held-out eval; every save_every: atomic checkpoint
@@ -39,6 +40,7 @@ from .files import atomic_write_text
 from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
+from .joint import JointObjective, add_lora, held_out_lm_kl, save_adapter
 from .losses import STATS, HeadsObjective, summarize
 from .target import load_model, load_tokenizer, text_config
 from .target_states import TargetStates
@@ -60,6 +62,7 @@ class TrainResult:
     """True when a signal stopped the run early (a checkpoint was saved; resume with resume=auto)."""
     heads: DraftHeads
     target: torch.nn.Module
+    """The target as trained on: frozen, or (target.lora) with the trained adapters in place."""
     acceptance: dict[str, Any] | None
 
 
@@ -73,6 +76,14 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adapter_schedule(step: int, heads_warmup_steps: int, warmup_steps: int, total_steps: int,
+                     min_lr_ratio: float) -> float:
+    """The adapters' lr multiplier (target.lora): 0 through the heads' warm-up, then `warmup_cosine` over the rest."""
+    if step < heads_warmup_steps:
+        return 0.0
+    return warmup_cosine(step - heads_warmup_steps, warmup_steps, total_steps - heads_warmup_steps, min_lr_ratio)
 
 
 class StopRequest:
@@ -245,8 +256,9 @@ class Meter:
     """Training metrics since the last log, kept on device so that a step makes no host sync; `row` reduces
     them across processes and reads them with one transfer."""
 
-    def __init__(self, num_heads: int, device: torch.device) -> None:
+    def __init__(self, num_heads: int, device: torch.device, joint: bool = False) -> None:
         self.stats = torch.zeros(num_heads, len(STATS), device=device)  # summed per-head stats (losses.STATS)
+        self.lm_kl = torch.zeros(2, device=device) if joint else None  # target.lora: KL sum and positions
         self.loss = torch.zeros((), device=device)
         self.tokens = torch.zeros((), device=device, dtype=torch.long)
         self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step
@@ -282,6 +294,10 @@ class Meter:
                     "train/tokens_per_s": tokens / (time.perf_counter() - self.t0),
                     "train/epoch": position["epoch"], "train/tokens": position["tokens"],
                     "train/skipped_steps": self.skipped_steps})
+        if self.lm_kl is not None:  # how far the adapted target is from the original, on the training batches
+            kl = accelerator.reduce(self.lm_kl, "sum")
+            row["train/lm_kl"] = float(kl[0] / kl[1].clamp_min(1))
+            self.lm_kl.zero_()
         self.stats.zero_(), self.loss.zero_(), self.tokens.zero_()
         self.micro_steps = 0
         self.restart_clock()
@@ -294,11 +310,14 @@ class Meter:
 
 def setup_accelerator(cfg: Config):
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
 
     # Accelerate forms a CPU (gloo) process group under torchrun only when asked for the CPU explicitly
     multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    # the heads' warm-up of joint training leaves the adapters out of the step: DDP must be told
+    unused = bool(cfg.target.lora.r and cfg.train.heads_warmup_steps)
     return Accelerator(
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused)],
         cpu=multi_cpu,
         gradient_accumulation_steps=cfg.train.grad_accum,
         # the schedule counts optimizer steps; stepping it once per step keeps it independent of world size
@@ -398,6 +417,7 @@ class Run:
     train_dl: Any
     eval_dl: Any | None
     total_steps: int
+    peft: Any = None  # target.lora: the PeftModel around the target (whose base model `target` is)
     position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
                                                               "tokens": 0})
 
@@ -443,32 +463,47 @@ def setup(cfg: Config) -> Run:
                                 "data/tokens": info["tokens"], "data/dropped": dropped,
                                 "data/drop_reasons": info["drop_reasons"]}) + "\n")
     target = load_model(cfg.target, accelerator.device)
+    peft = None
+    if cfg.target.lora.r:
+        check_joint_distributed(accelerator)
+        peft = add_lora(target, cfg.target.lora)
+        target = peft.get_base_model()  # the same model, with the adapters in its layers
     forward_target = setup_forward_target(cfg, target, accelerator.device)
     heads = setup_heads(cfg, target, train_ds)
     n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; "
-                      f"target frozen ({sum(p.numel() for p in target.parameters()):,} params)")
+    n_target = sum(p.numel() for p in target.parameters())
+    n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
+        f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
+        if peft is not None else f"target frozen ({n_target:,} params)"))
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
                           cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
                           layers=heads.spec.aux_layers)
     if states.rows:
         accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 
-    objective = HeadsObjective(heads, cfg.loss)
-    optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
+    groups = param_groups(heads, cfg.train.weight_decay)
+    if peft is None:
+        objective = HeadsObjective(heads, cfg.loss)
+    else:
+        objective = JointObjective(heads, peft, cfg.loss)
+        groups.append({"params": list(objective.adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
     total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-        warmup_cosine, warmup_steps=cfg.train.warmup_steps, total_steps=total_steps,
-        min_lr_ratio=cfg.train.min_lr_ratio))
+    shape = dict(warmup_steps=cfg.train.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.train.min_lr_ratio)
+    schedules = [partial(warmup_cosine, **shape)] * len(groups)
+    if peft is not None:  # the adapters' group is the last
+        schedules[-1] = partial(adapter_schedule, heads_warmup_steps=cfg.train.heads_warmup_steps, **shape)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
     objective, optimizer, train_dl, scheduler = accelerator.prepare(objective, optimizer, train_dl, scheduler)
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
     setup_tracking(accelerator, cfg)
     run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
-              scheduler, train_dl, eval_dl, total_steps)
+              scheduler, train_dl, eval_dl, total_steps, peft=peft)
     resume(run, ckpt)
     return run
 
@@ -478,6 +513,16 @@ def setup(cfg: Config) -> Run:
 RESUMABLE_CHANGES = ("output_dir", "resume", "train.max_steps", "train.epochs", "train.log_every", "train.save_every",
                      "train.keep_checkpoints", "train.max_nonfinite_steps", "train.cache_hidden",
                      "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.", "tracking.")
+
+
+def check_joint_distributed(accelerator) -> None:
+    """Joint training runs on one process or under DDP; FSDP and DeepSpeed would shard a target that has both frozen
+    and trainable weights, which this trainer does not set up."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(f"target.lora runs on one process or under DDP, not {accelerator.distributed_type.value}: "
+                          "launch with a DDP config (`accelerate config`, multi-GPU), or set target.lora.r=0")
 
 
 def check_writable(path: Path, key: str) -> None:
@@ -627,10 +672,16 @@ def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> bool:
     accelerator = run.accelerator
     finite = True
     with accelerator.accumulate(run.objective):
-        h, greedy = run.states(batch)  # no grad; read from the cache after the first epoch when it is on
-        h = h.to(run.embed.weight.dtype)  # a no-op unless target.forward_dtype differs
-        loss, stats = run.objective(h, greedy, batch["input_ids"], batch["labels"], batch["attention_mask"],
-                                    run.embed, run.lm_head)
+        if run.peft is None:
+            h, greedy = run.states(batch)  # no grad; read from the cache after the first epoch when it is on
+            h = h.to(run.embed.weight.dtype)  # a no-op unless target.forward_dtype differs
+            loss, stats = run.objective(h, greedy, batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                        run.embed, run.lm_head)
+        else:  # the adapted target runs inside the objective; after the heads' warm-up its adapters train too
+            joint = run.position["step"] >= run.cfg.train.heads_warmup_steps
+            loss, stats, lm_kl = run.objective(batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                               run.embed, run.lm_head, joint)
+            meter.lm_kl += lm_kl
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             meter.grad_norm = accelerator.clip_grad_norm_(run.objective.parameters(),
@@ -644,13 +695,26 @@ def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> bool:
     return finite
 
 
+def rng_neutral(batches):
+    """`batches`, with the global torch RNG as it was before the first one was fetched: starting a data loader draws
+    from it (its workers' base seed), and a resumed run starts one at another point of the stream than the run it
+    resumes, so the adapters' dropout (target.lora) would see other masks than the uninterrupted run."""
+    it = iter(batches)
+    with torch.random.fork_rng(devices=[]):
+        first = next(it, None)
+    if first is None:
+        return
+    yield first
+    yield from it
+
+
 def train_loop(run: Run) -> bool:
     """Optimizer steps until `total_steps` or a stop signal; returns True when a signal stopped the run (after
     saving a checkpoint)."""
     from tqdm.auto import tqdm
 
     cfg, accelerator, position = run.cfg, run.accelerator, run.position
-    meter = Meter(cfg.heads.num_heads, accelerator.device)
+    meter = Meter(cfg.heads.num_heads, accelerator.device, joint=run.peft is not None)
     bar = tqdm(total=run.total_steps, initial=position["step"], disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
     run.objective.train()
@@ -658,7 +722,7 @@ def train_loop(run: Run) -> bool:
         while position["step"] < run.total_steps and not stop.requested:
             run.train_dl.set_epoch(position["epoch"])
             skip = position["batch_in_epoch"]
-            for batch in accelerator.skip_first_batches(run.train_dl, skip) if skip else run.train_dl:
+            for batch in rng_neutral(accelerator.skip_first_batches(run.train_dl, skip) if skip else run.train_dl):
                 finite = micro_step(run, batch, meter)
                 position["batch_in_epoch"] += 1
                 if not accelerator.sync_gradients:
@@ -682,7 +746,7 @@ def train_loop(run: Run) -> bool:
                 stop.requested = all_agree_to_stop(accelerator, stop.requested)
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
                     with full_params(accelerator, run.objective):
-                        check_finite(run.heads, step)  # a checkpoint of garbage would rotate out a good one
+                        check_finite(run.objective, step)  # a checkpoint of garbage would rotate out a good one
                     meter.bank_tokens(accelerator, position)
                     save_checkpoint(accelerator, cfg, position)
                     meter.restart_clock()
@@ -715,9 +779,10 @@ def count_nonfinite(run: Run, meter: Meter, finite: bool, step: int) -> None:
             f"{run.cfg.train.lr:g}) or check the data, then resume from it (resume=PATH) or start over")
 
 
-def check_finite(heads: DraftHeads, step: int) -> None:
-    """TrainingDiverged unless every head weight is finite (checked before anything is saved)."""
-    bad = [name for name, p in heads.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
+def check_finite(objective: torch.nn.Module, step: int) -> None:
+    """TrainingDiverged unless every trained weight (heads, and adapters in joint training) is finite (checked before
+    anything is saved)."""
+    bad = [name for name, p in objective.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
     if bad:
         raise TrainingDiverged(f"training diverged: at step {step} the heads' weights are not finite ({bad[0]}"
                                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); nothing was saved: lower "
@@ -729,9 +794,16 @@ def check_finite(heads: DraftHeads, step: int) -> None:
 
 
 def evaluate_heads(run: Run, batches) -> tuple[dict[str, float], dict[str, Any]]:
-    """Held-out metrics and acceptance of the heads as they are (FSDP gathers their shards first)."""
+    """Held-out metrics and acceptance of the heads as they are (FSDP gathers their shards first); in joint training
+    on the adapted target, with `lm_kl`: its mean KL to the original target per supervised position."""
+    run.objective.eval()  # the adapters' dropout off (the loop turns training back on)
     with full_params(run.accelerator, run.objective):
-        return evaluate(run.heads, run.target, batches, run.cfg.loss, run.cfg.eval.max_batches, run.accelerator)
+        metrics, acceptance = evaluate(run.heads, run.target, batches, run.cfg.loss, run.cfg.eval.max_batches,
+                                       run.accelerator)
+    if run.peft is not None:
+        metrics["lm_kl"] = held_out_lm_kl(run.peft, batches, run.cfg.eval.max_batches, run.cfg.loss.chunk_size,
+                                          run.accelerator)
+    return metrics, acceptance
 
 
 def finish(run: Run, stopped: bool) -> TrainResult:
@@ -748,12 +820,15 @@ def finish(run: Run, stopped: bool) -> TrainResult:
     if run.eval_dl is None:
         accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
     with full_params(accelerator, run.objective):
-        check_finite(run.heads, position["step"])
+        check_finite(run.objective, position["step"])
     metrics, acceptance = evaluate_heads(run, batches)
     if accelerator.is_main_process:
         training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
         if cfg.heads.init_from:
             training["init_from"] = str(cfg.heads.init_from)
+        if run.peft is not None:  # the adapter first: the heads' config names it, as the target they draft for
+            run.heads.spec.target_fingerprint["adapter"] = save_adapter(run.peft, out)
+            training["joint"] = {"lora_r": cfg.target.lora.r, "heads_warmup_steps": cfg.train.heads_warmup_steps}
         with full_params(accelerator, run.objective):
             run.heads.save_pretrained(out, extra={"training": training})
     prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
