@@ -21,11 +21,13 @@ and `exact_match`: whether every output equals `ar`'s token for token (it is rep
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,13 +183,14 @@ def _sync(device: torch.device | str) -> None:
 
 
 def run_benchmark(runners: dict[str, Runner], prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                  repeats: int = 1, warmup: int = 1, log: Callable[[str], None] | None = None
-                  ) -> dict[str, dict[str, float | bool]]:
+                  repeats: int = 1, warmup: int = 1, log: Callable[[str], None] | None = None,
+                  replies: list[list[int]] | None = None) -> dict[str, dict[str, float | bool]]:
     """Run every method on every prompt, interleaved, and summarise.
 
     `runners` must include `ar` (the reference). Warm-up: each method generates `warmup` times on the
     first prompt (not counted). Then, per prompt, `repeats` rounds of all methods in an order rotated by
-    the prompt's index. Returns {method: {tokens_per_s, tau, speedup, exact_match}}.
+    the prompt's index. Returns {method: {tokens_per_s, tau, speedup, exact_match}}; `replies`, when given,
+    receives `ar`'s reply (new token ids) to every prompt.
     """
     if "ar" not in runners:
         raise BenchError("the benchmark needs the `ar` method: every speedup is divided by it")
@@ -208,6 +211,8 @@ def run_benchmark(runners: dict[str, Runner], prompts: Sequence[torch.Tensor], m
                 t.seconds += res.seconds
                 outputs[name].append(res.tokens)
         reference = outputs["ar"][0]
+        if replies is not None:
+            replies.append(reference)
         for name in names:
             differing = [out for out in outputs[name] if out != reference]
             if differing:
@@ -290,6 +295,27 @@ def plot(summary: dict[str, dict[str, float | bool]], path: str, title: str = ""
 # CLI
 
 
+def load_replies(path: str, prompts: int) -> list[list[int]]:
+    """The replies another run wrote with `--replies`, one per prompt; BenchError unless there are `prompts`."""
+    try:
+        other = [json.loads(line)["tokens"] for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"--replies-against {path} cannot be read ({e}): give a file bench --replies wrote") from None
+    if len(other) != prompts:
+        raise BenchError(f"--replies-against {path} holds {len(other)} replies, this run has {prompts} prompts: use "
+                         "the same --prompts, --limit and --stride as the run that wrote it")
+    return other
+
+
+def compare_replies(replies: list[list[int]], other: list[list[int]], path: str) -> dict[str, Any]:
+    """How many of `replies` equal, token for token, `other` (another run's `--replies` from `path`, same prompts),
+    and where the others first differ (median new-token index): how far an adapted target moved."""
+    firsts = sorted(next((j for j, (a, b) in enumerate(zip(r, o)) if a != b), min(len(r), len(o)))
+                    for r, o in zip(replies, other) if r != o)
+    return {"against": str(path), "prompts": len(replies), "identical": len(replies) - len(firsts),
+            "median_first_difference": firsts[len(firsts) // 2] if firsts else None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="target model directory or name (default: the one the heads "
@@ -323,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights (faster at every row count; inference/kernels.py), oneDNN on the weights as "
                         "stored, or PyTorch's default MKL path")
     p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--replies", default=None, help="write `ar`'s greedy reply to every prompt here (JSONL of token "
+                   "ids), e.g. the original target's, for --replies-against")
+    p.add_argument("--replies-against", default=None, help="count how many of `ar`'s replies equal those in this "
+                   "--replies file (the same prompts on another target, e.g. before joint training)")
     p.add_argument("--plot", default=None, help="draw tau and speedup per method into this PNG")
     return p
 
@@ -388,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = parse_tree_budget(args.tree_budget)
         methods = resolve_methods(args)
         texts = load_bench_prompts(args.prompts, args.limit, args.stride)
+        against = load_replies(args.replies_against, len(texts)) if args.replies_against else None
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -396,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.kernels import use_onednn_linear
-    from medusa_train.files import write_json
+    from medusa_train.files import atomic_write_text, write_json
     from medusa_train.heads import load_spec
     from medusa_train.target import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype
 
@@ -443,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts[m] = {}
             runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
     prompts = [render(tokenizer, t) for t in texts]
-    summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log)
+    replies: list[list[int]] = []
+    summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log, replies)
     if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
         log("[bench] auto tree budget (draft nodes per step): "
             + ", ".join(f"{m} {g.auto_tree_budget()}" for m, g in generators.items()))
@@ -454,9 +486,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompt_set = describe_prompts(args.prompts, len(prompts), args.stride)
     result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
               "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens, "methods": summary}
+    if args.replies:
+        atomic_write_text(args.replies, "".join(json.dumps({"prompt": i, "tokens": r}) + "\n"
+                                                for i, r in enumerate(replies)))
+        log(f"[bench] wrote the target's greedy replies to {args.replies}")
+    if args.replies_against:
+        result["replies_against"] = compare_replies(replies, against, args.replies_against)
     print(f"\n{result['machine']}\ntarget {result['target']}; {prompt_set}; greedy, "
           f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
     print(format_table(summary))
+    if args.replies_against:
+        c = result["replies_against"]
+        rest = "" if c["identical"] == c["prompts"] else \
+            f" (the others part at new token {c['median_first_difference']} in the median)"
+        print(f"\ngreedy replies identical to {args.replies_against}: {c['identical']} of {c['prompts']}{rest}")
     if args.out:
         write_json(args.out, result)
         log(f"[bench] wrote {args.out}")

@@ -141,6 +141,41 @@ def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
         bench.bigram_texts(str(tmp_path))
 
 
+def test_replies_of_one_target_are_counted_against_another_targets(setup, tmp_path, capsys):
+    """--replies writes ar's greedy replies; --replies-against counts the identical ones (a target against itself:
+    all; against another model: those that agree, and where the rest part)."""
+    from test_inference_greedy import greedy_reference
+
+    common = ["--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "10", "--methods", "ar", "--warmup", "0"]
+    mine = tmp_path / "mine.jsonl"
+    assert bench.main(["--target", str(setup / "target"), *common, "--replies", str(mine)]) == 0
+    written = [json.loads(line) for line in mine.read_text().splitlines()]
+    model = tiny_model(seed=4)  # the saved target
+    tok = tiny_tokenizer()
+    want = [greedy_reference(model, bench.render(tok, t), 10).tolist() for t in bench.load_bench_prompts(
+        str(setup / "prompts.jsonl"))]
+    assert [r["tokens"] for r in written] == want and [r["prompt"] for r in written] == [0, 1, 2]
+    out = tmp_path / "same.json"
+    assert bench.main(["--target", str(setup / "target"), *common, "--replies-against", str(mine),
+                       "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["replies_against"] == {"against": str(mine), "prompts": 3, "identical": 3,
+                                                             "median_first_difference": None}
+    assert "greedy replies identical to" in capsys.readouterr().out
+    # one reply changed at new token 2, one at token 0: 1 of 3 identical, parting at token 2 in the median
+    other = [dict(r) for r in written]
+    other[0]["tokens"] = other[0]["tokens"][:2] + [(other[0]["tokens"][2] + 1) % 200] + other[0]["tokens"][3:]
+    other[2]["tokens"] = [(other[2]["tokens"][0] + 1) % 200] + other[2]["tokens"][1:]
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(json.dumps(r) + "\n" for r in other))
+    assert bench.main(["--target", str(setup / "target"), *common, "--replies-against", str(edited),
+                       "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["replies_against"]
+    assert (got["identical"], got["median_first_difference"]) == (1, 2)
+    assert bench.main(["--target", str(setup / "target"), *common, "--limit", "2", "--replies-against",
+                       str(mine)]) == 2
+    assert "holds 3 replies, this run has 2 prompts" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,chained"], "method chained needs --heads"),
     (["--methods", "ar,warp"], "unknown warp"),
