@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError, load_config
     from .data import build_datasets, collate
-    from .target import default_device, load_model, load_tokenizer
+    from .heads import load_spec
+    from .target import default_device, load_model, load_tokenizer, merge_recorded_adapter
 
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             ds = ds.map(partial(crop_replies, max_tokens=args.max_reply_tokens), desc="Cropping replies")
         device = default_device(args.device)
         target = load_model(cfg.target, device)
+        if not cfg.target.adapter:  # heads trained for base + adapter (target.adapter, target.lora) bring it back
+            target = merge_recorded_adapter(target, load_spec(heads_dir).target_fingerprint, cfg.target.model)
         heads = DraftHeads.from_pretrained(heads_dir, target, device=device, dtype=torch.float32)
     except (ConfigError, FileNotFoundError, HeadsMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)

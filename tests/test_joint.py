@@ -302,3 +302,14 @@ def test_bad_joint_recipes_exit_2_with_one_line_before_training(ws, tmp_path, ca
 def test_lora_settings_are_part_of_the_math_a_resume_cannot_change(ws):
     with pytest.raises(ConfigError, match=r"target.lora.r=8 \(the checkpoint has 4\)"):
         train(config(ws, "joint8", "train.max_steps=10", "train.heads_warmup_steps=2", "target.lora.r=8"))
+
+
+def test_evaluate_cli_brings_the_adapter_back_and_reproduces_the_held_out_acceptance(ws, joint8, tmp_path):
+    from medusa_train import evaluate as E
+
+    out = ws / "joint8"
+    args = [str(out / "recipe.yaml"), "--heads", str(out), "--split", "eval", "--max-batches", "2"]
+    assert E.main(args + ["--out", str(tmp_path / "eval.json")]) == 0  # the run's own recipe: base + its adapter
+    got, saved = (json.loads(p.read_text()) for p in (tmp_path / "eval.json", out / "acceptance.json"))
+    assert got["positions_per_head"] == saved["positions_per_head"]
+    assert got["expected_tau"] == pytest.approx(saved["expected_tau"], abs=1e-6)
