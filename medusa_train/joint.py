@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from .config import ConfigError, LoraSettings, LossConfig
 from .heads import DraftHeads, output_signature
 from .losses import IGNORE, FusedHeadLoss, chunk_positions, chunked_head_losses, greedy_tokens, shift_left
-from .target import hidden_with_layers
+from .target import hidden_with_layers, peft_quietly
 
 ADAPTER_DIR = "adapter"
 
@@ -46,7 +47,8 @@ def add_lora(target: nn.Module, settings: LoraSettings) -> nn.Module:
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=modules, bias="none")
     try:
-        peft_model = get_peft_model(target, config)
+        with peft_quietly():
+            peft_model = get_peft_model(target, config)
     except ValueError as e:
         first = " ".join(str(e).split())[:200]
         which = settings.target_modules or "(peft's default)"
@@ -131,19 +133,21 @@ class JointObjective(nn.Module):
         valid = next_token_supervised(labels, attention_mask)
         kl = torch.zeros(2, device=input_ids.device)
         kl[1] = valid.sum()
-        with torch.set_grad_enabled(joint):
+        with torch.set_grad_enabled(joint), record_function("joint: adapted forward"):
             h = hidden_with_layers(model, self.heads.spec.aux_layers, **kw)
         if joint and self.cfg.lm_weight > 0:
-            with torch.no_grad(), self.peft.disable_adapter():
+            with torch.no_grad(), self.peft.disable_adapter(), record_function("joint: original forward"):
                 h_original = model.base_model(**kw).last_hidden_state
-            lm_loss, kl[0], greedy = lm_kl(h[..., :d], h_original, lm_head, valid, self.cfg.lm_weight,
-                                           self.cfg.chunk_size)
+            with record_function("joint: KL to the original"):
+                lm_loss, kl[0], greedy = lm_kl(h[..., :d], h_original, lm_head, valid, self.cfg.lm_weight,
+                                               self.cfg.chunk_size)
         else:  # the adapters have not moved (warm-up) or nothing holds the target to the original
             lm_loss, greedy = 0.0, greedy_tokens(lm_head, h[..., :d].detach())
-        dtype = next(self.heads.parameters()).dtype
-        states = self.heads(h.to(dtype), input_ids, embed)
-        loss, stats = chunked_head_losses(self.heads, states, h[..., :d], greedy * attention_mask, input_ids, labels,
-                                          attention_mask, lm_head, self.cfg)
+        with record_function("joint: heads and their loss"):
+            dtype = next(self.heads.parameters()).dtype
+            states = self.heads(h.to(dtype), input_ids, embed)
+            loss, stats = chunked_head_losses(self.heads, states, h[..., :d], greedy * attention_mask, input_ids,
+                                              labels, attention_mask, lm_head, self.cfg)
         return loss + lm_loss, stats, kl.detach()
 
 

@@ -7,6 +7,7 @@ of positions in `losses.py` as `lm_head(h_chunk)`, so [B, T, V] teacher logits n
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,7 +108,8 @@ def merge_adapter(model: nn.Module, adapter: str | os.PathLike, base_name: str =
     from .heads import output_signature
 
     try:
-        peft_model = PeftModel.from_pretrained(model, os.path.expanduser(str(adapter)))
+        with peft_quietly():
+            peft_model = PeftModel.from_pretrained(model, os.path.expanduser(str(adapter)))
     except (RuntimeError, ValueError, KeyError) as e:
         first = " ".join(str(e).split())[:160]
         raise TargetLoadError(f"target.adapter={adapter} does not fit the target {base_name or 'model'} ({first}): "
@@ -120,6 +122,15 @@ def merge_adapter(model: nn.Module, adapter: str | os.PathLike, base_name: str =
     path = str(where.resolve()) if where.exists() else str(adapter)
     merged.medusa_adapter = {"path": path, "base_signature": base, "adapted_signature": output_signature(merged)}
     return merged
+
+
+@contextmanager
+def peft_quietly() -> Iterator[None]:
+    """peft 0.21 asks transformers >= 5.24 `is_gradient_checkpointing`, which warns that it is deprecated, on every
+    adapter it wraps a model with: a warning about a call of theirs that users can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def recorded_adapter(fingerprint: dict) -> str | None:
