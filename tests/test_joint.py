@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import random
 import re
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runs import write_text_data, torchrun_train
 from safetensors.torch import load_file
 from test_inference_greedy import greedy_reference
 
@@ -28,20 +24,13 @@ from medusa_train.heads import DraftHeads, HeadsMismatchError
 from medusa_train.joint import JointObjective, add_lora, lm_kl
 from medusa_train.trainer import train
 
-ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
-
-
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     from tiny import save_tiny
 
     root = tmp_path_factory.mktemp("joint")
     save_tiny(root / "model", "llama")
-    rng = random.Random(1)
-    with open(root / "text.jsonl", "w") as f:
-        for _ in range(10):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40))}) + "\n")
+    write_text_data(root / "text.jsonl", seed=1)
     (root / "base.yaml").write_text(
         f"target: {{model: {root / 'model'}, lora: {{r: 4, alpha: 8, lr: 1.0e-2}}}}\n"
         "heads: {num_heads: 3}\n"
@@ -242,21 +231,8 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
     common = ["train.max_steps=3", "train.log_every=1", "data.eval_size=0", "eval.max_batches=1",
               "target.lora.dropout=0", "train.heads_warmup_steps=1"]
     two = ws / "joint-ddp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={two}", "train.batch_size=4", *common]
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for attempt in range(2):  # torchrun's rendezvous has hung once in many runs: kill the group, try once more
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=60)
-            break
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            shutil.rmtree(two, ignore_errors=True)
-            assert attempt == 0, "two torchrun attempts hung"
-    assert proc.returncode == 0, err[-3000:]
+    proc = torchrun_train([str(ws / "base.yaml"), "train.batch_size=4", *common], two, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     one = train(config(ws, "joint-ga2", "train.batch_size=2", "train.grad_accum=2", *common))
     a, b = load_file(str(ws / "joint-ga2" / "model.safetensors")), load_file(str(two / "model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-5

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import ROOT, torchrun_train, write_text_data
 from safetensors.torch import load_file
 
 from medusa_train.config import load_config
 from medusa_train.heads import DraftHeads, HeadsMismatchError
 from medusa_train.trainer import train
 
-ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
 
 
 
@@ -34,10 +33,7 @@ def ws(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("train")
     save_tiny(root / "model", "llama")
-    rng = random.Random(0)
-    with open(root / "text.jsonl", "w") as f:
-        for _ in range(10):  # ~55 rows of 24 tokens: 20 steps of 4 cross an epoch boundary
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40))}) + "\n")
+    write_text_data(root / "text.jsonl")  # ~55 rows of 24 tokens: 20 steps of 4 cross an epoch boundary
     (root / "base.yaml").write_text(
         f"target: {{model: {root / 'model'}}}\n"
         "heads: {num_heads: 3}\n"
@@ -286,21 +282,8 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
     """torchrun with 2 CPU processes (gloo), 2 sequences each, vs 1 process, 2 sequences x 2 micro-steps."""
     common = ["train.max_steps=3", "train.log_every=1", "data.eval_size=0", "eval.max_batches=1"]
     two = ws / "ddp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={two}", "train.batch_size=4", *common]
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for attempt in range(2):  # torchrun's rendezvous has hung once in many runs: kill the group, try once more
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=50)  # ~10 s normally; well inside the per-test timeout
-            break
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            shutil.rmtree(two, ignore_errors=True)
-            assert attempt == 0, "two torchrun attempts hung"
-    assert proc.returncode == 0, err[-3000:]
+    proc = torchrun_train([str(ws / "base.yaml"), "train.batch_size=4", *common], two)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     # one process group of two (not two independent runs): each rank saved its own RNG state
     assert sorted(p.name for p in (two / "checkpoints" / "step-3").glob("random_states_*")) == \
         ["random_states_0.pkl", "random_states_1.pkl"]

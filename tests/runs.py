@@ -1,0 +1,42 @@
+"""What the training tests share: a small plain-text dataset, and `train.py` under torchrun with two CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
+
+
+def write_text_data(path: Path, seed: int = 0, documents: int = 10, words: int = 40) -> None:
+    """`documents` JSONL rows of `words` random words each (10 x 40 give ~55 rows of 24 tokens)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(words))}) + "\n")
+
+
+def torchrun_train(args: list[str], out: Path, timeout: int = 50) -> subprocess.CompletedProcess:
+    """`train.py ARGS output_dir=OUT` under torchrun, 2 CPU processes (gloo); its rendezvous has hung once in many
+    runs, so a hung attempt's process group is killed and it is tried once more."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train.py"), *args, f"output_dir={out}"]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for attempt in range(2):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            shutil.rmtree(out, ignore_errors=True)
+    raise AssertionError("two torchrun attempts hung")
