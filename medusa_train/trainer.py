@@ -735,6 +735,8 @@ def train_loop(run: Run) -> bool:
                 count_nonfinite(run, meter, finite, step)
                 if step % cfg.train.log_every == 0 or last:
                     row = meter.row(accelerator, cfg, position, run.scheduler.get_last_lr()[0])
+                    if run.peft is not None:  # the adapters' group is the last
+                        row["train/adapter_lr"] = run.scheduler.get_last_lr()[-1]
                     log_row(accelerator, cfg, step, row)
                     bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",
                                     tok_s=f"{row['train/tokens_per_s']:.0f}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -122,6 +123,10 @@ def test_the_kl_term_is_logged_and_grows_from_zero_once_the_adapters_train(ws, j
     logged = [r for r in rows(ws / "joint8") if "train/loss" in r]
     assert [r["step"] for r in logged] == [2, 4, 6, 8]
     assert logged[0]["train/lm_kl"] == 0.0  # steps 1-2: the heads' warm-up
+    # the lr logged at a step is the next step's: the adapters' schedule starts after the warm-up, warmup_steps 1
+    assert [r["train/adapter_lr"] for r in logged[:2]] == [1.0e-2, pytest.approx(
+        1.0e-2 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.2))))]  # step 4: 2 past the warm-up, cosine 1/5 done
+    assert [trainer.adapter_schedule(s, 2, 1, 8, 0.1) for s in range(3)] == [0.0, 0.0, 1.0]
     assert all(r["train/lm_kl"] > 0 for r in logged[1:])
     held_out = [r for r in rows(ws / "joint8") if "eval/lm_kl" in r]
     assert held_out and held_out[-1]["eval/lm_kl"] > 0 and held_out[-1]["eval/expected_tau"] >= 1
