@@ -294,3 +294,17 @@ def test_evaluate_cli_brings_the_adapter_back_and_reproduces_the_held_out_accept
     got, saved = (json.loads(p.read_text()) for p in (tmp_path / "eval.json", out / "acceptance.json"))
     assert got["positions_per_head"] == saved["positions_per_head"]
     assert got["expected_tau"] == pytest.approx(saved["expected_tau"], abs=1e-6)
+
+
+def test_eagle3_heads_train_jointly_and_generate_exactly_for_the_adapted_target(ws, initial_adapters):
+    """eagle3 heads read three of the target's layers: joint training reaches the adapters through them too."""
+    out = ws / "joint-eagle3"
+    result = train(config(ws, "joint-eagle3", "heads.kind=eagle3", "heads.num_heads=2", "train.max_steps=3",
+                          "eval.max_batches=1", "train.warmup_steps=0"))
+    before, after = initial_adapters[-1], adapter_state(result.target)
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    prompt = torch.tensor([[5, 80, 81, 99, 100, 7]])
+    gen = SpeculativeGenerator.from_pretrained(out, dtype="float32", device="cpu", lookup_nodes=0)
+    want = greedy_reference(gen.target, prompt, 16, eos_token_id=[])
+    got = gen.generate(prompt, max_new_tokens=16, tree_budget=4, eos_token_id=[])
+    assert got.token_ids.tolist() == want.tolist()
