@@ -308,3 +308,16 @@ def test_eagle3_heads_train_jointly_and_generate_exactly_for_the_adapted_target(
     want = greedy_reference(gen.target, prompt, 16, eos_token_id=[])
     got = gen.generate(prompt, max_new_tokens=16, tree_budget=4, eos_token_id=[])
     assert got.token_ids.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_joint_training_refuses_sharded_launches_in_one_line(kind):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    with pytest.raises(ConfigError, match=f"target.lora runs on one process or under DDP, not {kind}") as err:
+        trainer.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[kind]))
+    assert "\n" not in str(err.value)
+    for fine in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        trainer.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[fine]))
