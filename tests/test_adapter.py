@@ -17,7 +17,7 @@ from inference import SpeculativeGenerator
 from medusa_train.cli import main
 from medusa_train.config import ConfigError, load_config
 from medusa_train.heads import DraftHeads, HeadsMismatchError
-from medusa_train.target import merge_adapter
+from medusa_train.target import merge_adapter, peft_quietly
 from medusa_train.trainer import train
 
 WORDS = "red green blue one two three cats dogs run jump far near and the".split()
@@ -28,8 +28,9 @@ def make_adapter(base, path: Path, seed: int = 0) -> None:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"],
-                                                 init_lora_weights=False))
+    with peft_quietly():  # peft's own deprecation warning on transformers 5.24
+        peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
+                                                     target_modules=["q_proj", "v_proj", "up_proj"]))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -77,7 +78,8 @@ def test_heads_bring_their_adapter_back_and_generate_the_merged_models_greedy_ou
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    own = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / "adapter")
+    with peft_quietly():  # peft's own deprecation warning on transformers 5.24
+        own = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / "adapter")
     SpeculativeGenerator.from_pretrained(root / "heads", target=own.merge_and_unload())
 
 

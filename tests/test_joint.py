@@ -23,6 +23,7 @@ from medusa_train.cli import main
 from medusa_train.config import ConfigError, LoraSettings, LossConfig, load_config
 from medusa_train.heads import DraftHeads, HeadsMismatchError
 from medusa_train.joint import JointObjective, add_lora, lm_kl
+from medusa_train.target import peft_quietly
 from medusa_train.trainer import train
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,8 @@ def test_the_saved_adapter_loads_with_peft_and_generation_is_exact_for_the_adapt
     moved = ws / "moved-heads"
     shutil.copytree(out, moved, ignore=shutil.ignore_patterns("checkpoints"))
     base = AutoModelForCausalLM.from_pretrained(ws / "model").eval()
-    loaded = PeftModel.from_pretrained(copy.deepcopy(base), moved / "adapter").eval()
+    with peft_quietly():  # peft's own deprecation warning on transformers 5.24
+        loaded = PeftModel.from_pretrained(copy.deepcopy(base), moved / "adapter").eval()
     ids = torch.tensor([[5, 80, 81, 99, 100, 7, 31]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, result.target.eval()(ids).logits)
@@ -244,7 +246,8 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ws / "model"), two / "adapter")
+    with peft_quietly():  # peft's own deprecation warning on transformers 5.24
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ws / "model"), two / "adapter")
     ddp = adapter_state(loaded.get_base_model())
     single = adapter_state(one.target)
     assert ddp.keys() == single.keys()
