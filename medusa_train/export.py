@@ -18,6 +18,10 @@
   LM head copied into each head.
 - `mlp_speculator`: IBM's MLP speculator layout (removed in vLLM 0.33; no current engine serves it).
 
+Heads trained for base + adapter (`target.adapter`, or a joint run's `target.lora`) draft for the merged model, which
+is what the engine must serve: `--merged-target DIR` also writes it there (model and tokenizer, in the base's dtype)
+and names it as the speculators verifier.
+
 The directory is written beside OUT and renamed into place, so OUT is either the old export or the whole new one.
 """
 
@@ -36,7 +40,7 @@ import torch
 from .errors import ArgumentParser
 from .files import CONFIG_NAME, WEIGHTS_NAME
 from .heads import DraftHeads, load_spec
-from .target import merge_recorded_adapter
+from .target import merge_recorded_adapter, recorded_adapter
 
 FORMATS = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
 SPECULATORS_VERSION = "0.9.0"
@@ -172,11 +176,36 @@ def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str
         raise ExportError(f"{out} is the heads directory itself: export into another directory")
 
 
+def write_merged_target(name: str, fingerprint: dict[str, Any], out: Path) -> Path:
+    """The target with the heads' recorded adapter merged in, saved to `out` with its tokenizer (staged, then renamed)
+    in the base's own dtype: the model a serving engine runs these heads against."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
+                          "local copy of the target") from None
+    model = merge_recorded_adapter(model, fingerprint, name)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.resolve().parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return _place(staging, out)
+
+
 def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force: bool = False,
-           target: str | None = None, verifier: str | None = None, embed: bool = True) -> Path:
+           target: str | None = None, verifier: str | None = None, embed: bool = True,
+           merged_target: str | os.PathLike | None = None) -> Path:
     """Write the export of `heads_dir` into `out` (see the module docs); returns its path. `target`: where to read
     the target from (default: the model the heads were trained for); `verifier`: the name the serving machine
-    knows the target by (default: `target`)."""
+    knows the target by (default: `target`, or `merged_target`); `merged_target`: for heads trained for base + adapter,
+    also write the merged model there."""
     from safetensors.torch import save_file
 
     check_request(heads_dir, out, fmt, force)
@@ -186,6 +215,18 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
     if not name:
         raise ExportError(f"{heads_dir}/config.json names no target: pass --target")
     final = Path(out)
+    if merged_target is not None:
+        merged = Path(merged_target)
+        if not recorded_adapter(fingerprint):
+            raise ExportError(f"--merged-target: {heads_dir} was trained for the bare target {name}, with no adapter "
+                              "to merge: serve that model as it is and drop --merged-target")
+        if merged.exists() and (not merged.is_dir() or any(merged.iterdir())) and not force:
+            raise ExportError(f"--merged-target {merged} exists and is not an empty directory: pick another, or pass "
+                              "--force to replace it")
+        if merged.resolve() in (final.resolve(), Path(heads_dir).resolve()):
+            raise ExportError(f"--merged-target {merged} is the export or the heads directory: name a directory of "
+                              "its own")
+        verifier = verifier or str(write_merged_target(name, fingerprint, merged).resolve())
     final.resolve().parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any]
     if fmt == "speculators":
@@ -252,15 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=None, help="where to read the target (default: the heads' config)")
     parser.add_argument("--verifier", default=None,
                         help="speculators: the target's name on the serving machine (default: --target)")
+    parser.add_argument("--merged-target", default=None, metavar="DIR",
+                        help="heads trained for base + adapter: also write the merged model (what to serve) to DIR, "
+                             "and name it as the verifier")
     parser.add_argument("--no-embed", action="store_true",
                         help="speculators: leave the target's embedding out (the engine shares the target's)")
     args = parser.parse_args(argv)
     try:
-        path = export(args.heads, args.out, args.format, args.force, args.target, args.verifier, not args.no_embed)
+        path = export(args.heads, args.out, args.format, args.force, args.target, args.verifier, not args.no_embed,
+                      args.merged_target)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {args.heads} as {args.format} to {path}")
+    print(f"exported {args.heads} as {args.format} to {path}"
+          + (f"; the merged target to serve is in {args.merged_target}" if args.merged_target else ""))
     return 0
 
 

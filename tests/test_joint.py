@@ -299,18 +299,51 @@ def test_evaluate_cli_brings_the_adapter_back_and_reproduces_the_held_out_accept
     assert got["expected_tau"] == pytest.approx(saved["expected_tau"], abs=1e-6)
 
 
-def test_eagle3_heads_train_jointly_and_generate_exactly_for_the_adapted_target(ws, initial_adapters):
-    """eagle3 heads read three of the target's layers: joint training reaches the adapters through them too."""
-    out = ws / "joint-eagle3"
+@pytest.fixture(scope="module")
+def joint_eagle3(ws, initial_adapters):
     result = train(config(ws, "joint-eagle3", "heads.kind=eagle3", "heads.num_heads=2", "train.max_steps=3",
                           "eval.max_batches=1", "train.warmup_steps=0"))
-    before, after = initial_adapters[-1], adapter_state(result.target)
+    return result, initial_adapters[-1]
+
+
+def test_eagle3_heads_train_jointly_and_generate_exactly_for_the_adapted_target(ws, joint_eagle3):
+    """eagle3 heads read three of the target's layers: joint training reaches the adapters through them too."""
+    result, before = joint_eagle3
+    after = adapter_state(result.target)
     assert all(not torch.equal(before[n], after[n]) for n in before)
     prompt = torch.tensor([[5, 80, 81, 99, 100, 7]])
-    gen = SpeculativeGenerator.from_pretrained(out, dtype="float32", device="cpu", lookup_nodes=0)
+    gen = SpeculativeGenerator.from_pretrained(ws / "joint-eagle3", dtype="float32", device="cpu", lookup_nodes=0)
     want = greedy_reference(gen.target, prompt, 16, eos_token_id=[])
     got = gen.generate(prompt, max_new_tokens=16, tree_budget=4, eos_token_id=[])
     assert got.token_ids.tolist() == want.tolist()
+
+
+def test_export_writes_the_merged_target_to_serve_and_names_it_the_verifier(ws, joint_eagle3, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from medusa_train import export as E
+
+    heads, out, merged = ws / "joint-eagle3", tmp_path / "vllm", tmp_path / "merged"
+    assert E.main([str(heads), str(out), "--format", "speculators", "--merged-target", str(merged)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(merged.resolve())
+    served = AutoModelForCausalLM.from_pretrained(merged).eval()  # a plain model: no peft needed to serve it
+    gen = SpeculativeGenerator.from_pretrained(heads, dtype="float32", device="cpu")
+    prompt = torch.tensor([[5, 80, 81, 99, 100, 7]])
+    assert greedy_reference(served, prompt, 16).tolist() == greedy_reference(gen.target, prompt, 16).tolist()
+    DraftHeads.from_pretrained(heads, target=served)  # the heads accept it as the model they draft for
+    assert (merged / "tokenizer_config.json").is_file()
+    capsys.readouterr()
+    # heads for the bare target have nothing to merge; an occupied directory is not overwritten without --force
+    assert E.main([str(heads), str(tmp_path / "again"), "--format", "speculators", "--merged-target", str(out)]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    bare = tmp_path / "bare-heads"
+    DraftHeads.for_target(AutoModelForCausalLM.from_pretrained(ws / "model"), "eagle3", 2).save_pretrained(bare)
+    assert E.main([str(bare), str(tmp_path / "x"), "--format", "speculators", "--target", str(ws / "model"),
+                   "--merged-target", str(tmp_path / "m2")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "was trained for the bare target" in errors[0]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "m2").exists()
 
 
 @pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
