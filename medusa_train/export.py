@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import ArgumentParser
-from .files import CONFIG_NAME, WEIGHTS_NAME
+from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
 from .heads import DraftHeads, load_spec
 from .target import merge_recorded_adapter, recorded_adapter
 
@@ -60,16 +58,19 @@ def _target_config(name: str):
                           "--target with a local copy of the target") from None
 
 
-def _target_model(name: str, fingerprint: dict[str, Any]):
-    """The target in float32, with the peft adapter the heads (of this fingerprint) were trained for merged in."""
-    from transformers import AutoModelForCausalLM
+def _target_model(name: str, fingerprint: dict[str, Any], dtype: torch.dtype | str = torch.float32, tokenizer=False):
+    """The target (float32 by default), with the peft adapter the heads (of this fingerprint) were trained for
+    merged in; with `tokenizer`, (model, its tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(name) if tokenizer else None
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
                           "local copy of the target") from None
-    return merge_recorded_adapter(model, fingerprint, name)
+    model = merge_recorded_adapter(model, fingerprint, name)
+    return (model, tok) if tokenizer else model
 
 
 def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str]) -> dict[str, Any]:
@@ -179,24 +180,13 @@ def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str
 def write_merged_target(name: str, fingerprint: dict[str, Any], out: Path) -> Path:
     """The target with the heads' recorded adapter merged in, saved to `out` with its tokenizer (staged, then renamed)
     in the base's own dtype: the model a serving engine runs these heads against."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tokenizer = _target_model(name, fingerprint, dtype="auto", tokenizer=True)
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # noqa: BLE001
-        raise ExportError(f"cannot load the target {name!r} ({str(e).splitlines()[0][:100]}): pass --target with a "
-                          "local copy of the target") from None
-    model = merge_recorded_adapter(model, fingerprint, name)
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.resolve().parent))
-    try:
+    def write(staging: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return _place(staging, out)
+
+    return atomic_write_dir(out, write)
 
 
 def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force: bool = False,
@@ -227,7 +217,6 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
             raise ExportError(f"--merged-target {merged} is the export or the heads directory: name a directory of "
                               "its own")
         verifier = verifier or str(write_merged_target(name, fingerprint, merged).resolve())
-    final.resolve().parent.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any]
     if fmt == "speculators":
         model = _target_model(name, fingerprint) if embed else None
@@ -251,34 +240,16 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
         files = {"config": config, "state": state}
     else:
         model = _target_model(name, fingerprint)
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
         try:
-            heads.export_mlp_speculator(staging, model)
+            return atomic_write_dir(final, lambda staging: heads.export_mlp_speculator(staging, model))
         except ValueError as e:
-            shutil.rmtree(staging, ignore_errors=True)
             raise ExportError(str(e)) from None
-        return _place(staging, final)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.resolve().parent))
-    try:
+
+    def write(staging: Path) -> None:
         save_file(files["state"], str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
         (staging / CONFIG_NAME).write_text(json.dumps(files["config"], indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return _place(staging, final)
 
-
-def _place(staging: Path, final: Path) -> Path:
-    """Rename the finished `staging` directory to `final`, replacing what was there (checked by --force)."""
-    os.chmod(staging, 0o755)
-    if final.exists():
-        old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
-        final.rename(old)
-        staging.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(final)
-    return final
+    return atomic_write_dir(final, write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +73,30 @@ def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> No
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def atomic_write_dir(final: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Write the directory `final` through `write(staging)` into a directory beside it, then rename it into place,
+    replacing what was there: `final` is always the old directory or the whole new one. A failed `write` leaves
+    nothing behind. Returns `final`."""
+    final = Path(final)
+    parent = final.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=parent))
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide it from other users
+    if final.exists():
+        old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    return final
 
 
 def atomic_write_text(final: str | os.PathLike, text: str) -> None:

@@ -20,8 +20,6 @@ adapters only.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from .config import ConfigError, LoraSettings, LossConfig
+from .files import atomic_write_dir
 from .heads import DraftHeads, output_signature
 from .losses import IGNORE, FusedHeadLoss, chunk_positions, chunked_head_losses, greedy_tokens, shift_left
 from .target import hidden_with_layers, peft_quietly
@@ -178,14 +177,8 @@ def save_adapter(peft_model: nn.Module, out: Path) -> dict[str, Any]:
     """Write the adapters in peft's format to `out/adapter` (staged beside it, then renamed into place) and return
     what the heads' fingerprint records of them: the path, relative to the heads' directory, and the output
     signatures of the base and the adapted target (so that heads refuse the bare base)."""
-    final, tmp = out / ADAPTER_DIR, out / f".{ADAPTER_DIR}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
-    old = out / f".{ADAPTER_DIR}.trash-{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    atomic_write_dir(out / ADAPTER_DIR, lambda staging: peft_model.save_pretrained(str(staging),
+                                                                                save_embedding_layers=False))
     with peft_model.disable_adapter():
         base = output_signature(peft_model)
     return {"path": ADAPTER_DIR, "base_signature": base, "adapted_signature": output_signature(peft_model)}

@@ -208,3 +208,24 @@ def run(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:
         return e.code
+
+
+def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
+    """`files.atomic_write_dir`, behind every export and a joint run's adapter: a failed write leaves the old
+    directory as it was and nothing beside it; a finished one replaces it whole."""
+    from medusa_train.files import _umask, atomic_write_dir
+
+    out = tmp_path / "out"
+    atomic_write_dir(out, lambda d: (d / "a.txt").write_text("old"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "a.txt").read_text() == "old"
+
+    def broken(d):
+        (d / "b.txt").write_text("half")
+        raise ValueError("cut short")
+
+    with pytest.raises(ValueError, match="cut short"):
+        atomic_write_dir(out, broken)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and sorted(p.name for p in out.iterdir()) == ["a.txt"]
+    atomic_write_dir(out, lambda d: (d / "c.txt").write_text("new"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and sorted(p.name for p in out.iterdir()) == ["c.txt"]
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()  # as an ordinary mkdir would make it
