@@ -25,9 +25,10 @@ from torch import nn
 import inference.budget as budget_timing
 from inference.budget import Platform
 from inference.calibrate import AcceptanceCalibrator
+from inference.compiled import StaticVerifier
 from inference.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafter, TreeSpec
 from inference.kernels import use_onednn_linear
-from inference.kv import cache_length, compact_cache, new_cache
+from inference.kv import compact_cache, new_cache
 from inference.tree import Tree, tree_from_parents
 from inference.verify import (accept_greedy, accept_lossless, accept_typical, sample_token, target_forward,
                               target_probs, verify_tree)
@@ -216,7 +217,8 @@ class SpeculativeGenerator:
     `SpeculativeGenerator.from_pretrained(heads_dir)` loads trained heads and their target.
     """
 
-    def __init__(self, target: nn.Module, tokenizer=None, drafter: Drafter | None = None, self_check: bool = True):
+    def __init__(self, target: nn.Module, tokenizer=None, drafter: Drafter | None = None, self_check: bool = True,
+                 compile: bool | str = False):
         if drafter is None:
             raise ValueError("pass a drafter: HeadsDrafter, NGramDrafter or BigramDrafter")
         check_supported(target)
@@ -233,11 +235,19 @@ class SpeculativeGenerator:
         self.calibrator = AcceptanceCalibrator(max_depth=max(1, drafter.max_depth))
         if self_check:
             check_tree_attention(target)
+        # compile: a static KV cache and a verify forward compiled per tree size (CUDA graphs on CUDA); True uses
+        # torch.compile's default backend (inductor), a string names another
+        if compile not in (False, None) and not isinstance(compile, (bool, str)):
+            raise ValueError(f"compile must be True, False or a torch.compile backend name, got {compile!r}")
+        self.static = None
+        if compile:
+            self.static = StaticVerifier(target, drafter.target_layers,
+                                         backend=compile if isinstance(compile, str) else "inductor")
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: str | os.PathLike | nn.Module | None = None,
                         device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                        tokenizer=None, lookup_nodes: int = 4) -> SpeculativeGenerator:
+                        tokenizer=None, lookup_nodes: int = 4, compile: bool | str = False) -> SpeculativeGenerator:
         """Load heads from `heads_dir` and the target: None = the model named in the heads' config, a path
         or hub name, or an already loaded model. Heads trained for another target are refused
         (HeadsMismatchError). `device` defaults to CUDA when available, `dtype` to bfloat16 on a GPU that
@@ -245,7 +255,10 @@ class SpeculativeGenerator:
         (`inference.kernels`). `lookup_nodes` grafts n-gram prompt lookup onto the heads' tree
         (`HybridDrafter`): up to that many of each step's draft nodes, and at most half of them, follow an
         earlier match of the context (0: the heads alone). Heads trained for a target with a peft adapter
-        (`target.adapter`) load it with that adapter merged in, and refuse a loaded model without it."""
+        (`target.adapter`) load it with that adapter merged in, and refuse a loaded model without it.
+        `compile=True` verifies through a static KV cache with the target's forward compiled per tree size
+        (`inference.compiled`; CUDA graphs on CUDA): the first call at each size compiles (seconds to minutes),
+        later ones run with no Python between the kernels."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import load_spec
@@ -270,7 +283,7 @@ class SpeculativeGenerator:
         drafter: Drafter = HeadsDrafter.from_pretrained(heads_dir, model)
         if lookup_nodes:
             drafter = HybridDrafter(drafter, lookup_nodes=lookup_nodes)
-        return cls(model.eval(), tokenizer, drafter)
+        return cls(model.eval(), tokenizer, drafter, compile=compile)
 
     # -- input handling -------------------------------------------------------------------------------
 
@@ -313,10 +326,16 @@ class SpeculativeGenerator:
 
     # -- the ladder -----------------------------------------------------------------------------------
 
-    def prefill(self, input_ids: torch.Tensor, sampling: Sampling) -> DecodeState:
-        """Run the prompt, decide the first new token (the first tree's root)."""
-        cache = new_cache()
-        hs = target_forward(self.target, input_ids, cache, layers=self.drafter.target_layers)[0]  # [T, d or more]
+    def prefill(self, input_ids: torch.Tensor, sampling: Sampling, max_new_tokens: int = 0) -> DecodeState:
+        """Run the prompt, decide the first new token (the first tree's root). `max_new_tokens` sizes a static
+        cache (`compile=True`; it grows, compiling again, if a step outruns it)."""
+        if self.static is not None:
+            self.static.reserve(input_ids.shape[1] + max_new_tokens + 2 * (self.drafter.max_depth + 1))
+            hs = self.static.prefill(input_ids)  # [T, d or more]
+            cache = self.static.cache
+        else:
+            cache = new_cache()
+            hs = target_forward(self.target, input_ids, cache, layers=self.drafter.target_layers)[0]  # [T, d or more]
         h = hs[-1, :self.hidden_size]  # h at the prompt's last position
         logits = self.target.get_output_embeddings()(h)  # [V]
         root = self.next_token(logits, sampling).view(1)
@@ -356,8 +375,12 @@ class SpeculativeGenerator:
         lap("trim")
         if stats is not None:
             stats.verified_nodes += draft.size
-        prefix_len = cache_length(state.cache)
-        logits, h = verify_tree(self.target, state.cache, draft, self.drafter.target_layers)  # [N, V], [N, d or more]
+        prefix_len = len(state.tokens) - 1  # the cache holds every token but the root
+        if self.static is not None:
+            logits, h = self.static.verify(draft, prefix_len)
+            state.cache = self.static.cache  # a new one if the verify had to grow it
+        else:
+            logits, h = verify_tree(self.target, state.cache, draft, self.drafter.target_layers)  # [N, V], [N, d or more]
         lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
@@ -436,7 +459,7 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())
         with torch.inference_mode():
             if max_new_tokens > 0:
-                state = self.prefill(input_ids, sampling)
+                state = self.prefill(input_ids, sampling, max_new_tokens)
                 stats.target_forwards = 1
                 done = emit(state.tokens[-1:])
                 while not done:

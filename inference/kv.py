@@ -14,7 +14,8 @@ import inspect
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 
 def new_cache() -> DynamicCache:
@@ -23,13 +24,43 @@ def new_cache() -> DynamicCache:
     return DynamicCache()
 
 
+def new_static_cache(model: nn.Module, capacity: int) -> StaticCache:
+    """A preallocated cache of `capacity` positions per layer (`inference.compiled`): its tensors never move, so
+    compiled forwards and CUDA graphs write into them in place. Allocated now, on the model's device and dtype,
+    not at the first write."""
+    from medusa_train.target import text_config
+
+    config = text_config(model.config)
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    # full-attention layers throughout, as `new_cache` has: the engine keeps every sequence inside the sliding
+    # window (`context_limit`), where a window layer would only be a different code path for the same math
+    cache.layers = [StaticLayer(max_cache_len=capacity) for _ in cache.layers]
+    weight = model.get_output_embeddings().weight
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    cache.early_initialization(1, kv_heads, head_dim, weight.dtype, weight.device)
+    return cache
+
+
+def is_static(cache) -> bool:
+    return isinstance(cache, StaticCache)
+
+
+def set_static_length(cache: StaticCache, length: int) -> None:
+    """Where the next write into a static cache goes: each layer's own counter (a device scalar, set with fill_,
+    which is no host sync). Entries past it stay in memory, masked out of every later forward."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
+
+
 @functools.cache
 def _cache_keyword(forward_owner: type) -> str:
     params = inspect.signature(forward_owner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def cache_kwargs(model: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+def cache_kwargs(model: nn.Module, cache: DynamicCache | StaticCache) -> dict[str, DynamicCache | StaticCache]:
     """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it (transformers
     5.24 renamed it and removes `past_key_values` in 5.40), `past_key_values` on older versions (the GPU machines'
     5.17). Decided once per model class, by its signature."""
@@ -46,8 +77,11 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def crop_cache(cache: DynamicCache, length: int) -> None:
+def crop_cache(cache: DynamicCache | StaticCache, length: int) -> None:
     """Drop every entry at position >= length."""
+    if is_static(cache):
+        set_static_length(cache, length)
+        return
     extra = cache_length(cache) - length
     if extra > 0:  # crop(0) would be a no-op anyway, but crop(-0) == crop(0) reads as a length on old versions
         cache.crop(-extra)
