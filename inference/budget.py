@@ -59,36 +59,50 @@ class Platform:
             torch.cuda.synchronize(self.device)
 
 
-def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = None) -> dict[int, float]:
+def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = None, static=None) -> dict[int, float]:
     """Seconds per target forward over n tree rows after a `PREFIX`-token prefix, n in `platform.lengths`,
     measured once per target (the least disturbed of 5 runs, round-robin over lengths so a burst of noise hits
-    them all alike) and shared; `forget_verify_seconds` measures again. `limit`: the target's context."""
-    times = _VERIFY_SECONDS.get(target)
+    them all alike) and shared; `forget_verify_seconds` measures again. `limit`: the target's context.
+    `static`: a `StaticVerifier` (a compiled generator's): its compiled verify is timed instead, at the row
+    counts it runs (`inference.compiled.BUCKETS`) up to the longest of `platform.lengths`, and kept with it."""
+    times = _VERIFY_SECONDS.get(static if static is not None else target)
     if times is not None:
         return times
     lengths = platform.lengths
+    if static is not None:
+        from inference.compiled import BUCKETS
+
+        lengths = tuple(b for b in BUCKETS if b <= max(lengths))
     vocab = target.get_output_embeddings().weight.shape[0]
     prefix_len = max(1, min(PREFIX, (limit or 1 << 30) - max(lengths)))
     ids = (torch.arange(prefix_len + max(lengths), device=platform.device) * 31 + 7) % vocab
     trees = {n: _chain(ids[prefix_len:prefix_len + n]) for n in lengths}
     samples: dict[int, list[float]] = {n: [] for n in lengths}
     with torch.inference_mode():
-        cache = new_cache()
-        target_forward(target, ids[None, :prefix_len], cache)
+        if static is not None:
+            static.reserve(prefix_len + max(lengths))
+            static.prefill(ids[None, :prefix_len])
+            verify = lambda tree: static.verify(tree, prefix_len)  # noqa: E731
+            rewind = lambda: crop_cache(static.cache, prefix_len)  # noqa: E731
+        else:
+            cache = new_cache()
+            target_forward(target, ids[None, :prefix_len], cache)
+            verify = lambda tree: verify_tree(target, cache, tree)  # noqa: E731
+            rewind = lambda: crop_cache(cache, prefix_len)  # noqa: E731
         for rep in range(6):
             for n in lengths:
                 platform.sync()
                 t0 = time.perf_counter()
-                verify_tree(target, cache, trees[n])
+                verify(trees[n])
                 platform.sync()
-                if rep > 0:  # the first round warms up
+                if rep > 0:  # the first round warms up (and compiles)
                     samples[n].append(time.perf_counter() - t0)
-                crop_cache(cache, prefix_len)
+                rewind()
     times = {n: min(samples[n]) for n in lengths}
     running = 0.0
     for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
         running = times[n] = max(times[n], running)
-    _VERIFY_SECONDS[target] = times
+    _VERIFY_SECONDS[static if static is not None else target] = times
     return times
 
 
@@ -102,23 +116,48 @@ def forget_verify_seconds(target: nn.Module) -> None:
     _VERIFY_SECONDS.pop(target, None)
 
 
-def verify_costs(times: dict[int, float]) -> list[float]:
+def verify_costs(times: dict[int, float], padded: bool = False) -> list[float]:
     """costs[n]: seconds of a verify over n rows, n = 0..the longest timed (costs[0] = 0), linear between the
-    timed lengths."""
+    timed lengths; `padded` (a compiled verify, which runs n rows at the next timed count): that count's time."""
     lengths = sorted(times)
     costs = [0.0]
     for n in range(1, max(lengths) + 1):
         hi = next(length for length in lengths if length >= n)
         lo = max(length for length in lengths if length <= n)
-        costs.append(times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo))
+        if padded or hi == lo:
+            costs.append(times[hi])
+        else:
+            costs.append(times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo))
     return costs
 
 
-def best_budget(expected_tau: Sequence[float], costs: Sequence[float]) -> int:
-    """The draft-node budget b maximising expected tokens per step over the verify of its b + 1 rows."""
+def draft_seconds(drafter, ctx_for_budget, budgets: Sequence[int], platform: Platform) -> list[float]:
+    """draft[b]: seconds the drafter takes to draft a tree of b nodes, b = 0..max(budgets): the least of 5 timed
+    runs at each of `budgets` (0 included; after a warm-up round), linear in between. `ctx_for_budget(b)` gives
+    the `DraftContext` to draft from (a real step's, the drafter's history observed)."""
+    budgets = sorted(set(budgets) | {0})
+    samples: dict[int, list[float]] = {b: [] for b in budgets}
+    with torch.inference_mode():
+        for rep in range(6):
+            for b in budgets:
+                ctx = ctx_for_budget(b)
+                platform.sync()
+                t0 = time.perf_counter()
+                drafter.draft(ctx)
+                platform.sync()
+                if rep > 0:
+                    samples[b].append(time.perf_counter() - t0)
+    # verify_costs' interpolation, shifted by one: its index n holds budget n - 1
+    return verify_costs({b + 1: min(samples[b]) for b in budgets})[1:]
+
+
+def best_budget(expected_tau: Sequence[float], costs: Sequence[float], draft: Sequence[float] | None = None) -> int:
+    """The draft-node budget b maximising expected tokens per second of a step: expected tau over the verify of
+    b + 1 rows plus, when given, drafting b nodes (`draft[b]`)."""
     best, best_rate = 0, 0.0
     for budget in range(0, len(costs) - 1):
-        rate = expected_tau[budget] / costs[budget + 1]
+        seconds = costs[budget + 1] + (draft[min(budget, len(draft) - 1)] if draft else 0.0)
+        rate = expected_tau[budget] / seconds
         if rate > best_rate:
             best, best_rate = budget, rate
     return best

@@ -25,11 +25,13 @@ output stays exactly the target's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from inference.tree import Tree, subtree, trim_keep
+from inference.tree import Tree, best_nodes, subtree
 
 KINDS = ("scored", "lookup", "both", "unscored")
 SCORED, LOOKUP, BOTH, UNSCORED = range(len(KINDS))
@@ -101,17 +103,35 @@ class AcceptanceCalibrator:
         """Calibrated p(accepted | parent accepted) of the given cells."""
         return self.estimates()[keys]
 
-    def trim(self, tree: Tree, costs: Sequence[float]) -> tuple[Tree, torch.Tensor]:
-        """`tree` cut to the nodes worth their verify rows by calibrated path probability, and the kept nodes'
-        cells (pass both to `update` after the verify). Reads the tree on the host: meant for CPUs."""
-        keys = self.keys(tree)
+    def path_logp(self, tree: Tree, keys: torch.Tensor) -> torch.Tensor:
+        """[N] (CPU) log-probability that each node is accepted: the sum of its path's calibrated log conditionals."""
         logc = self.probabilities(keys).log()
         logc[0] = 0.0  # the root is decided
-        path_logp = tree.ancestors.cpu().to(logc.dtype) @ logc  # [N] log of the product along each path
-        keep = trim_keep(path_logp, tree.depth.cpu(), costs)
+        return tree.ancestors.cpu().to(logc.dtype) @ logc  # [N] log of the product along each path
+
+    def trim(self, tree: Tree, costs: Sequence[float], fixed: float = 0.0) -> tuple[Tree, torch.Tensor]:
+        """`tree` cut to the nodes worth their verify rows by calibrated path probability (`fixed`: the step's
+        seconds besides the verify, its drafting), and the kept nodes' cells (pass both to `update` after the
+        verify). Reads the tree on the host: meant for CPUs."""
+        keys = self.keys(tree)
+        keep, _ = best_nodes(self.path_logp(tree, keys), tree.depth.cpu(), costs, fixed)
         if keep is None:
             return tree, keys
         return subtree(tree, keep.to(tree.tokens.device)), keys[keep]
+
+    def primary_payoff(self, tree: Tree, costs: Sequence[float], fixed: float, primary_seconds: float) -> float:
+        """log(expected tokens per second of the best trim of `tree` / that of the best trim of the lookup's nodes
+        alone, as if the primary drafter had not drafted): > 0 when the primary's nodes paid for their drafting
+        (`primary_seconds`, counted only with them) and their verify rows. `fixed`: the step's other seconds."""
+        keys = self.keys(tree)
+        logp = self.path_logp(tree, keys)
+        depth = tree.depth.cpu()
+        _, with_primary = best_nodes(logp, depth, costs, fixed + primary_seconds)
+        lookup = tree.lookup > 0 if tree.lookup is not None else torch.zeros_like(tree.tokens, dtype=torch.bool)
+        lookup[0] = True  # with the root, the lookup's nodes form a tree (its branches hang from the root)
+        alone = replace(subtree(tree, torch.nonzero(lookup).flatten()), scores=None)  # lookup nodes as lookup's
+        _, without = best_nodes(self.path_logp(alone, self.keys(alone)), alone.depth.cpu(), costs, fixed)
+        return math.log(with_primary / without)
 
     def update(self, tree: Tree, keys: torch.Tensor, path: torch.Tensor, n: int) -> None:
         """Count one verify: every node whose parent was accepted was tried; path[1:n] were accepted."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -440,6 +441,10 @@ class HybridDrafter(Drafter):
         self.max_candidates = primary.max_candidates
         self.needs_history = primary.needs_history
         self.target_layers = primary.target_layers
+        # what the primary's nodes earned, per n-gram match length (none, 1, 2, 3+): see `credit`; kept across
+        # `generate` calls, like the generator's calibrator
+        self.payoff, self.skipped = [0.0] * 4, [0] * 4
+        self.match, self.drafted_primary, self.primary_seconds = 0, True, 0.0  # the last step's
 
     def topk_accuracy(self) -> list[list[float]]:
         return self.primary.topk_accuracy()
@@ -467,9 +472,41 @@ class HybridDrafter(Drafter):
                     break
                 branches.append(cont)
                 used += len(cont)
-        tree = self.primary.draft(ctx if ctx.trimmed else replace(ctx, budget=ctx.budget - used))
+        self.match = min(n, 3)
+        self.drafted_primary = not ctx.trimmed or self._primary_pays()
+        if self.drafted_primary:
+            t0 = time.perf_counter()
+            tree = self.primary.draft(ctx if ctx.trimmed else replace(ctx, budget=ctx.budget - used))
+            self.primary_seconds = time.perf_counter() - t0  # a CPU's (trimmed steps): no device to wait for
+        else:
+            zero = torch.zeros(1, dtype=torch.long, device=ctx.root.device)
+            tree, self.primary_seconds = tree_from_parents(ctx.root[:1], zero, zero, 0), 0.0
         share = ctx.host_reads if self.share_nodes is None else self.share_nodes
         return graft_branches(tree, branches, used, share, [n] * len(branches))
+
+    # -- skipping the primary where its nodes do not pay (trimmed steps: a CPU with the auto budget) ----------
+    #
+    # After each trimmed step the generator credits the primary with `AcceptanceCalibrator.primary_payoff`: the
+    # log of the expected tokens per second of the step's best trim over that of the lookup's nodes alone, the
+    # primary's drafting time counted against it. Its running mean is kept per n-gram match length (none, 1, 2,
+    # 3+), since the lookup's strength decides what the primary adds; where the mean is below 0 the primary is
+    # not drafted, except every `PROBE_EVERY`-th such step, which measures it again. Only which nodes are
+    # verified changes: the output stays the target's.
+
+    PROBE_EVERY = 8
+    PAYOFF_MEMORY = 0.8  # weight of the running mean against the newest step's payoff
+
+    def _primary_pays(self) -> bool:
+        if self.payoff[self.match] >= 0 or self.skipped[self.match] + 1 >= self.PROBE_EVERY:
+            self.skipped[self.match] = 0
+            return True
+        self.skipped[self.match] += 1
+        return False
+
+    def credit(self, payoff: float) -> None:
+        """The primary's payoff on the step just drafted (see above)."""
+        m = self.match
+        self.payoff[m] = self.PAYOFF_MEMORY * self.payoff[m] + (1 - self.PAYOFF_MEMORY) * payoff
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -229,6 +229,7 @@ class SpeculativeGenerator:
         self.hidden_size = target.get_output_embeddings().weight.shape[1]
         self.platform = Platform.for_device(self.device)  # CPU-versus-GPU choices, made once here
         self._verify_costs: list[float] | None = None  # interpolated per token count
+        self._draft_costs: list[float] | None = None  # seconds to draft a static tree of b nodes, per b
         self._auto_budget: int | None = None
         # how often each kind of drafted node is accepted, learned from every verify of this generator (kept
         # across `generate` calls); it decides which nodes of a CPU step are worth their verify rows
@@ -366,12 +367,17 @@ class SpeculativeGenerator:
         lap = clock.lap if clock is not None else _no_lap
         if clock is not None:
             clock.start()
+        t0 = time.perf_counter()
         draft = self.drafter.draft(DraftContext(state.root, state.hidden, state.tokens, tree, budget,
                                                 trimmed=costs is not None, host_reads=self.platform.host_reads))
         lap("draft")
         keys = None
-        if costs is not None:
-            draft, keys = self.calibrator.trim(draft, costs)
+        if costs is not None:  # a CPU (`Platform.host_trim`): the host's clock times the drafting, no sync needed
+            drafting = time.perf_counter() - t0
+            if isinstance(self.drafter, HybridDrafter) and self.drafter.drafted_primary:
+                primary = self.drafter.primary_seconds
+                self.drafter.credit(self.calibrator.primary_payoff(draft, costs, drafting - primary, primary))
+            draft, keys = self.calibrator.trim(draft, costs, fixed=drafting)
         lap("trim")
         if stats is not None:
             stats.verified_nodes += draft.size
@@ -501,29 +507,54 @@ class SpeculativeGenerator:
 
     def verify_seconds(self) -> dict[int, float]:
         """Seconds per target forward of L tree rows after a prefix, for a few L (`inference.budget`: measured
-        once per target and shared by every generator on it; `remeasure_verify_seconds` measures again)."""
-        return budget_timing.verify_seconds(self.target, self.platform, context_limit(self.target))
+        once per target and shared by every generator on it; `remeasure_verify_seconds` measures again). A
+        compiled generator times its own compiled verify, at the row counts it compiles."""
+        return budget_timing.verify_seconds(self.target, self.platform, context_limit(self.target), self.static)
 
     def remeasure_verify_seconds(self) -> None:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
         and the auto budget derived from them; the next `generate` measures again."""
-        budget_timing.forget_verify_seconds(self.target)
-        self._verify_costs, self._auto_budget = None, None
+        budget_timing.forget_verify_seconds(self.static if self.static is not None else self.target)
+        self._verify_costs, self._draft_costs, self._auto_budget = None, None, None
 
     def verify_costs(self) -> list[float]:
         """costs[n]: seconds of a verify forward over n tokens, n = 0..the longest measured (costs[0] = 0),
         interpolated between the measured lengths (computed once per generator)."""
         if self._verify_costs is None:
-            self._verify_costs = budget_timing.verify_costs(self.verify_seconds())
+            self._verify_costs = budget_timing.verify_costs(self.verify_seconds(), padded=self.static is not None)
         return self._verify_costs
 
+    def draft_costs(self) -> list[float]:
+        """draft[b]: seconds this generator's drafter takes to draft a static tree of b nodes, b = 0..the
+        longest verify timed, measured once per generator (`inference.budget.draft_seconds`) from a real
+        prefill of a synthetic prompt (so drafters with history have it), at every budget the verify timings
+        cover and interpolated between them."""
+        if self._draft_costs is None:
+            costs = self.verify_costs()
+            vocab = self.target.get_output_embeddings().weight.shape[0]
+            prompt = ((torch.arange(budget_timing.PREFIX, device=self.device) * 31 + 7) % vocab)[None]
+            self.drafter.reset()
+            with torch.inference_mode():
+                state = self.prefill(prompt, Sampling(), max_new_tokens=len(costs))
+
+            def ctx(b: int) -> DraftContext:
+                return DraftContext(state.root, state.hidden, state.tokens, "static", b,
+                                    trimmed=self.platform.host_trim, host_reads=self.platform.host_reads)
+
+            budgets = [n - 1 for n in self.platform.lengths if n - 1 < len(costs) - 1]
+            self._draft_costs = budget_timing.draft_seconds(self.drafter, ctx, budgets, self.platform)
+            self._draft_costs += [self._draft_costs[-1]] * (len(costs) - 1 - len(self._draft_costs))
+            self.drafter.reset()
+        return self._draft_costs
+
     def auto_tree_budget(self) -> int:
-        """The draft-node budget maximising expected tau / verify time on this machine (verify time
-        interpolated between the measured lengths; expected tau from the drafter's static tree prior).
-        Computed once per generator."""
+        """The draft-node budget maximising expected tokens per second of a step on this machine: expected tau
+        (the drafter's static tree prior) over the verify of the tree's rows (interpolated between the measured
+        lengths) plus drafting it (`draft_costs`). Computed once per generator."""
         if self._auto_budget is None:
             costs = self.verify_costs()
-            self._auto_budget = budget_timing.best_budget(self.drafter.expected_tau(len(costs) - 2), costs)
+            self._auto_budget = budget_timing.best_budget(self.drafter.expected_tau(len(costs) - 2), costs,
+                                                          self.draft_costs())
         return self._auto_budget
 
 

@@ -177,24 +177,32 @@ def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, s
                              None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep])
 
 
-def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float]) -> torch.Tensor | None:
+def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float], fixed: float = 0.0
+              ) -> torch.Tensor | None:
     """The nodes worth their verify rows: the root and the k most probable nodes, k maximising expected
-    tokens per second of verify, (1 + sum of their path probabilities) / costs[k + 1], where path_logp [N]
-    is each node's log-probability of being accepted (root 0; never above its parent's) and costs[n] the
-    verify time of n tokens. Returns the kept indices ([k + 1] ascending) or None when every node stays.
-    Reads k on the host: meant for CPUs."""
+    tokens per second of a step, (1 + sum of their path probabilities) / (costs[k + 1] + fixed), where path_logp
+    [N] is each node's log-probability of being accepted (root 0; never above its parent's), costs[n] the
+    verify time of n tokens and `fixed` the step's other seconds (its drafting). Returns the kept indices ([k + 1]
+    ascending) or None when every node stays. Reads k on the host: meant for CPUs."""
+    return best_nodes(path_logp, depth, costs, fixed)[0]
+
+
+def best_nodes(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float], fixed: float = 0.0
+               ) -> tuple[torch.Tensor | None, float]:
+    """`trim_keep`'s choice and its expected tokens per second."""
     n = path_logp.shape[0]
     if n <= 1:
-        return None
+        return None, 1.0 / (costs[1] + fixed)
     limit = min(n, len(costs) - 1)  # nodes the costs cover
     key = _rank_key(path_logp, depth)
     order = torch.argsort(key, descending=True, stable=True)[:limit - 1] + 1  # best nodes first
     gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(path_logp[order].float().exp(), 0)])  # [limit]
-    rate = gain / torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device)
+    seconds = torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device) + fixed
+    rate = gain / seconds
     k = int(torch.argmax(rate))  # first maximum: the smaller tree on ties
     if k == n - 1:
-        return None
-    return torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values
+        return None, float(rate[k])
+    return torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values, float(rate[k])
 
 
 def subtree(tree: Tree, keep: torch.Tensor) -> Tree:

@@ -110,7 +110,7 @@ def test_generation_learns_to_trust_the_lookup_over_overconfident_heads():
     gen._auto_budget = 6
     verified = []
     trim = gen.calibrator.trim
-    gen.calibrator.trim = lambda tree, costs: _record(trim(tree, costs), verified)
+    gen.calibrator.trim = lambda tree, costs, fixed=0.0: _record(trim(tree, costs, fixed), verified)
     out = gen.generate(input_ids, max_new_tokens=60, eos_token_id=[])
     assert out.token_ids.tolist() == want.tolist()
     assert out.stats.verified_nodes == sum(len(v) for v in verified)  # stats count the rows actually verified
@@ -125,3 +125,41 @@ def test_generation_learns_to_trust_the_lookup_over_overconfident_heads():
 def _record(trimmed, verified):
     verified.append(trimmed[0].lookup.tolist())
     return trimmed
+
+
+class CountingHybrid(HybridDrafter):
+    """Records, per step, whether the primary drafter drafted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drafted: list[bool] = []
+
+    def draft(self, ctx):
+        tree = super().draft(ctx)
+        self.drafted.append(self.drafted_primary)
+        return tree
+
+
+def test_a_primary_whose_nodes_do_not_pay_is_skipped_and_probed():
+    """Heads sure and always wrong beside a lookup always right: once their payoff is learned they are not drafted,
+    except on every PROBE_EVERY-th step; heads always right with no lookup match are drafted every step. The
+    output is the target's either way."""
+    model = float64_model("llama")
+    input_ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = greedy_reference(model, input_ids, 90, eos_token_id=[])
+    truth = input_ids[0].tolist() + want.tolist()
+    for heads_right in (False, True):
+        lookup = PlantedLookup(truth, 0 if heads_right else 3)
+        hybrid = CountingHybrid(PlantedDrafter(truth, VOCAB, 4, true_rank=0 if heads_right else None), lookup,
+                                lookup_nodes=3)
+        gen = SpeculativeGenerator(model, tiny_tokenizer(), hybrid)
+        gen.verify_costs = lambda: [0.0] + [1e-3 * (1 + 0.05 * (n - 1)) for n in range(1, 33)]
+        gen.draft_costs = lambda: [0.0] * 32
+        gen._auto_budget = 4
+        out = gen.generate(input_ids, max_new_tokens=90, eos_token_id=[])
+        assert out.token_ids.tolist() == want.tolist()
+        later = hybrid.drafted[len(hybrid.drafted) // 2:]
+        if heads_right:
+            assert all(later)
+        else:
+            assert 1 <= sum(later) <= len(later) // HybridDrafter.PROBE_EVERY + 1, hybrid.drafted

@@ -237,6 +237,8 @@ def test_heads_trained_with_a_draft_vocabulary_draft_what_training_predicts(tmp_
     gen = SpeculativeGenerator(target, tiny_tokenizer(), Recording.from_pretrained(tmp_path / "heads", target))
     prompt = tiny_tokenizer()("one two three four", return_tensors="pt")["input_ids"]
     paths = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    gen.auto_tree_budget()  # times drafting at every budget first (not the trees checked here)
+    recorded.clear()
     out = gen.generate(prompt, max_new_tokens=20, tree=paths, eos_token_id=[])
     assert out.token_ids.tolist() == greedy_reference(target, prompt, 20, eos_token_id=[]).tolist()
     vocab = set(heads.draft_ids.tolist())

@@ -232,7 +232,7 @@ def test_auto_budget_on_a_cpu_trims_and_stays_exact():
             gen._auto_budget = 8
             sizes = []
             trim = gen.calibrator.trim
-            gen.calibrator.trim = lambda tree, costs: _record(trim(tree, costs), sizes)
+            gen.calibrator.trim = lambda tree, costs, fixed=0.0: _record(trim(tree, costs, fixed), sizes)
             out = gen.generate(input_ids, max_new_tokens=25, eos_token_id=[])
             assert out.token_ids.tolist() == want.tolist(), (arch, hybrid)
             assert min(sizes) < 9, (arch, hybrid)  # some steps were trimmed below budget + 1

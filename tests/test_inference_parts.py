@@ -11,6 +11,7 @@ import torch
 from test_inference_greedy import float64_model, greedy_reference, random_heads
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
+import inference.budget as budget_timing
 from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
 from inference.drafters import DraftContext, load_topk_accuracy
 from inference.budget import LENGTHS_CPU as AUTO_BUDGET_LENGTHS_CPU
@@ -180,13 +181,31 @@ def test_auto_budget_is_measured_once_and_in_range():
     assert sorted(times) == list(AUTO_BUDGET_LENGTHS_CPU) and all(t > 0 for t in times.values())
     assert list(AUTO_BUDGET_LENGTHS_CPU[:16]) == list(range(1, 17))  # every size up to 16 is timed on a CPU
     assert all(times[a] <= times[b] for a, b in zip(AUTO_BUDGET_LENGTHS_CPU, AUTO_BUDGET_LENGTHS_CPU[1:]))
-    # the budget maximises expected tokens per second of verify: tau(b) / t(b + 1 rows), t interpolated
-    # linearly between the timed lengths
+    # the budget maximises expected tokens per second of a step: tau(b) / (t(b + 1 rows) + draft(b)), t
+    # interpolated linearly between the timed lengths, draft timed at budgets 0..15, 23, 31
     lengths = list(AUTO_BUDGET_LENGTHS_CPU)
     tau = gen.drafter.expected_tau(lengths[-1] - 1)
-    rate = [tau[b] / float(np.interp(b + 1, lengths, [times[n] for n in lengths])) for b in range(lengths[-1])]
+    draft = gen.draft_costs()
+    assert len(draft) == lengths[-1] and all(t > 0 for t in draft[1:])
+    rate = [tau[b] / (float(np.interp(b + 1, lengths, [times[n] for n in lengths])) + draft[b])
+            for b in range(lengths[-1])]
     assert out.stats.tree_budget == gen.auto_tree_budget() == max(range(len(rate)), key=rate.__getitem__)
     assert out.token_ids.tolist() == greedy_reference(model, ids, 6, eos_token_id=[]).tolist()
+
+
+def test_auto_budget_counts_what_drafting_costs():
+    """Drafting that costs as much as a verify row per node moves the auto budget down; free drafting leaves it
+    where the verify timings alone put it."""
+    model = float64_model("llama")
+    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 4), model))
+    costs = [0.0] + [1.0 + 0.02 * n for n in range(1, 33)]  # rows nearly free: a big tree pays
+    gen.verify_costs = lambda: costs
+    gen.draft_costs = lambda: [0.0] * 32
+    free = gen.auto_tree_budget()
+    assert free == budget_timing.best_budget(gen.drafter.expected_tau(31), costs)
+    gen._auto_budget = None
+    gen.draft_costs = lambda: [0.25 * b for b in range(32)]
+    assert gen.auto_tree_budget() < free
 
 
 def test_generators_on_one_target_share_the_verify_timings():
