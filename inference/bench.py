@@ -37,7 +37,7 @@ from torch import nn
 from inference.generate import parse_tree_budget
 from medusa_train.errors import ArgumentParser
 
-ALL_METHODS = ("ar", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3", "eagle3+ngram")
+ALL_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3", "eagle3+ngram")
 
 
 class BenchError(ValueError):
@@ -129,13 +129,22 @@ def bigram_texts(path: str) -> list[str]:
 # Runners
 
 
-def hf_runner(model: nn.Module, pad_token_id: int | None, prompt_lookup_num_tokens: int | None = None) -> Runner:
-    """`model.generate` greedy (with prompt lookup when asked). Target forwards are counted with a hook."""
+def hf_runner(model: nn.Module, pad_token_id: int | None, prompt_lookup_num_tokens: int | None = None,
+              compiled: bool = False) -> Runner:
+    """`model.generate` greedy (with prompt lookup when asked). Target forwards are counted with a hook.
+    `compiled`: transformers' fastest plain decoding, a static cache with the forward compiled (CUDA graphs on
+    CUDA; the first calls compile)."""
+    extra: dict[str, Any] = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
+    if compiled:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        config = CompileConfig()
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        extra |= {"cache_implementation": "static", "compile_config": config}
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> RunResult:
         calls = [0]
         hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        extra = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
         try:
             ids = input_ids.to(model.device)
             _sync(model.device)
@@ -334,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1, help="warm-up generations per method (not counted)")
     p.add_argument("--tree", choices=("static", "dynamic"), default="static")
+    p.add_argument("--compile", action="store_true",
+                   help="engine methods verify through a static cache with the forward compiled per tree size "
+                        "(CUDA graphs on CUDA); compare with `ar-compiled`, transformers' compiled plain decoding")
     p.add_argument("--tree-budget", default="auto", help="draft nodes per step for engine methods, or `auto`")
     p.add_argument("--lookup-nodes", type=int, default=4, help="`chained+ngram`: draft nodes per step the n-gram "
                                                                "lookup may take from the budget")
@@ -375,7 +387,8 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
     if args.bigram_data is None:
         args.bigram_data = _heads_training_data(args.heads) or _heads_training_data(args.heads_parallel)
     if args.methods is None:
-        methods = ["ar", "pld", "ngram"] + (["bigram"] if args.bigram_data else []) + \
+        methods = ["ar"] + (["ar-compiled"] if args.compile else []) + ["pld", "ngram"] + \
+                  (["bigram"] if args.bigram_data else []) + \
                   (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else []) \
                   + (["eagle3", "eagle3+ngram"] if args.heads_eagle3 else [])
     else:
@@ -457,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in methods:
         if m == "ar":
             runners[m] = hf_runner(target, pad)
+        elif m == "ar-compiled":
+            runners[m] = hf_runner(target, pad, compiled=True)
         elif m == "pld":
             runners[m] = hf_runner(target, pad, args.pld_tokens)
         else:
@@ -470,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 heads_dir = {"chained": args.heads, "parallel": args.heads_parallel, "eagle3": args.heads_eagle3}[m]
                 drafter = HeadsDrafter.from_pretrained(heads_dir, target)
-            generators[m] = SpeculativeGenerator(target, tokenizer, drafter)
+            generators[m] = SpeculativeGenerator(target, tokenizer, drafter, compile=args.compile)
             counts[m] = {}
             runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
     prompts = [render(tokenizer, t) for t in texts]

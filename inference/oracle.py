@@ -86,10 +86,14 @@ def chain(budget: int) -> list[tuple[int, ...]]:
 
 
 def run_oracle(target: nn.Module, prompts: Sequence[torch.Tensor], budgets: Sequence[int], max_new_tokens: int,
-               tokenizer=None, pad_token_id: int | None = None, repeats: int = 1, log=None) -> dict:
+               tokenizer=None, pad_token_id: int | None = None, repeats: int = 1, log=None,
+               compile: bool | str = False) -> dict:
     """Plain `generate` first (the reference and each prompt's truth), then the engine with the oracle at every
     budget, interleaved per prompt. Returns {"budgets": {B: {tau, tokens_per_s, speedup, ceiling, efficiency,
-    verify_share, exact_match}}, "ar_tokens_per_s", "t_verify_ms": {rows: ms}}."""
+    verify_share, exact_match}}, "ar_tokens_per_s", "t_verify_ms": {rows: ms}}. `compile`: the engine verifies
+    through its compiled path, and plain decoding runs compiled too (`ar-compiled`, transformers' static cache and
+    torch.compile): the efficiency is then against that, the fastest plain decoding, and `speedup_eager` is over
+    eager `generate`."""
     from inference.bench import engine_runner, hf_runner, run_benchmark
     from inference.generate import SpeculativeGenerator
 
@@ -102,23 +106,32 @@ def run_oracle(target: nn.Module, prompts: Sequence[torch.Tensor], budgets: Sequ
         out = ar(ids, max_new_tokens + max(budgets) + 1)
         truths[tuple(ids[0].tolist())] = ids[0].tolist() + out.tokens
     runners = {"ar": ar}
+    if compile:
+        runners["ar-compiled"] = hf_runner(target, pad_token_id, compiled=True)
     generators = {}
     for b in budgets:
-        gen = SpeculativeGenerator(target, tokenizer, OracleDrafter(truths, vocab, b))
+        gen = SpeculativeGenerator(target, tokenizer, OracleDrafter(truths, vocab, b), compile=compile)
         generators[b] = gen
         runners[f"oracle-{b}"] = engine_runner(gen, chain(b), b)
     summary = run_benchmark(runners, [p.to(device) for p in prompts], max_new_tokens, repeats, 1, log)
     costs = generators[budgets[0]].verify_costs()  # [rows] seconds, measured once per target
+    base = "ar-compiled" if compile else "ar"
     result = {"ar_tokens_per_s": summary["ar"]["tokens_per_s"], "budgets": {},
               "t_verify_ms": {n: 1e3 * costs[n] for n in range(1, len(costs))}}
+    if compile:
+        result["ar_compiled_tokens_per_s"] = summary[base]["tokens_per_s"]
+        result["ar_compiled_exact_match"] = summary[base]["exact_match"]
     for b in budgets:
         m = summary[f"oracle-{b}"]
         t_tree = costs[min(b + 1, len(costs) - 1)]
         ceiling = m["tau"] * costs[1] / t_tree
         step_seconds = m["tau"] / m["tokens_per_s"]  # one target forward per step (the prefill counted as one)
-        result["budgets"][b] = {"tau": m["tau"], "tokens_per_s": m["tokens_per_s"], "speedup": m["speedup"],
-                                "ceiling": round(ceiling, 3), "efficiency": round(m["speedup"] / ceiling, 3),
+        speedup = m["tokens_per_s"] / summary[base]["tokens_per_s"]
+        result["budgets"][b] = {"tau": m["tau"], "tokens_per_s": m["tokens_per_s"], "speedup": round(speedup, 3),
+                                "ceiling": round(ceiling, 3), "efficiency": round(speedup / ceiling, 3),
                                 "verify_share": round(t_tree / step_seconds, 3), "exact_match": m["exact_match"]}
+        if compile:
+            result["budgets"][b]["speedup_eager"] = m["speedup"]
     return result
 
 
@@ -143,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--compile", action="store_true", help="the engine's compiled path against transformers' compiled "
+                                                          "plain decoding (static cache, torch.compile)")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
     try:  # every argument checked before a model loads
@@ -186,11 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         what, prompt_set = str(args.target), describe_prompts(args.prompts, len(prompts))
     use_onednn_linear(target)  # float32 on a CPU: what the benchmark uses for every method
     with torch.inference_mode():
-        result = run_oracle(target, prompts, budgets, args.max_new_tokens, tokenizer, pad, args.repeats, log)
+        result = run_oracle(target, prompts, budgets, args.max_new_tokens, tokenizer, pad, args.repeats, log,
+                            compile=args.compile)
     result = {"machine": machine_description(device), "target": what, "dtype": str(dtype).removeprefix("torch."),
-              "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens} | result
+              "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens, "compiled": args.compile} | result
+    compiled = f", compiled {result['ar_compiled_tokens_per_s']:.1f}" if args.compile else ""
     print(f"\n{result['machine']}\n{what}, {result['dtype']}; {prompt_set}; {args.max_new_tokens} new tokens; "
-          f"plain generate {result['ar_tokens_per_s']:.1f} tokens/s\n")
+          f"plain generate {result['ar_tokens_per_s']:.1f} tokens/s{compiled}\n")
     print(format_table(result))
     if args.out:
         write_json(args.out, result)

@@ -44,3 +44,19 @@ def test_bad_arguments_exit_2_before_a_model_loads(argv, message, capsys, monkey
     monkeypatch.setattr(oracle, "random_target", lambda *a, **k: pytest.fail("a model was built"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_compiled_oracle_is_measured_against_compiled_plain_decoding():
+    """compile: the engine's compiled path, full acceptance and exact; plain decoding compiled too (transformers'
+    static cache + torch.compile), exact, and the efficiency divides the speedup over it; the verify timings are
+    the compiled verify's at the row counts it runs (a chain of 3 rows runs at 4)."""
+    model = float64_model("llama", seed=2)
+    prompts = [torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(9))]
+    result = run_oracle(model, prompts, [2], 13, pad_token_id=259, compile="aot_eager")
+    assert result["ar_compiled_exact_match"]
+    m = result["budgets"][2]
+    assert m["exact_match"] and m["tau"] == pytest.approx(13 / 5, abs=1e-3)
+    assert m["speedup"] == pytest.approx(m["tokens_per_s"] / result["ar_compiled_tokens_per_s"], rel=2e-3)
+    assert m["speedup_eager"] == pytest.approx(m["tokens_per_s"] / result["ar_tokens_per_s"], rel=2e-3)
+    assert m["efficiency"] == pytest.approx(m["speedup"] / m["ceiling"], rel=2e-3)
+    assert result["t_verify_ms"][3] == result["t_verify_ms"][4]  # padded: 3 rows cost what 4 do
