@@ -37,7 +37,8 @@ from torch import nn
 from inference.generate import parse_tree_budget
 from medusa_train.errors import ArgumentParser
 
-ALL_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3", "eagle3+ngram")
+ALL_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3",
+               "eagle3+ngram")
 
 
 class BenchError(ValueError):

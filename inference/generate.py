@@ -386,7 +386,8 @@ class SpeculativeGenerator:
             logits, h = self.static.verify(draft, prefix_len)
             state.cache = self.static.cache  # a new one if the verify had to grow it
         else:
-            logits, h = verify_tree(self.target, state.cache, draft, self.drafter.target_layers)  # [N, V], [N, d or more]
+            # [N, V], [N, d or more]
+            logits, h = verify_tree(self.target, state.cache, draft, self.drafter.target_layers)
         lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync

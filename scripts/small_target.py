@@ -110,7 +110,8 @@ def main() -> None:
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
-    print(f"saved {out / 'model'} after {step} steps ({time.perf_counter() - start:.0f} s), last loss {loss.item():.3f}")
+    print(f"saved {out / 'model'} after {step} steps ({time.perf_counter() - start:.0f} s), "
+          f"last loss {loss.item():.3f}")
 
 
 if __name__ == "__main__":
