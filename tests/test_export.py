@@ -4,7 +4,9 @@ config holds what vLLM reads; the medusa layout computes our parallel heads; bad
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,25 +23,37 @@ from medusa_train.prepare import cache_root
 from medusa_train.target import target_hidden
 
 SPECULATORS = "speculators==0.9.0"
-# speculators 0.9 pins transformers<=5.19, so it goes into a venv of its own that sees this environment's packages,
-# installed without its dependencies, plus the three it imports that this project does not need
+# speculators 0.9 pins transformers<=5.19, so it is installed without its dependencies into a directory of its own,
+# with the three modules it imports that this project does not need, and put on the PYTHONPATH of a subprocess that
+# runs this very interpreter: it sees this environment's packages whether the suite runs in a venv or not
 SPECULATORS_IMPORTS = ("openai", "hs-connectors", "loguru")
 HERE = Path(__file__).resolve().parent
 
 
+def speculators_env(where: Path) -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
 @pytest.fixture(scope="session")
-def speculators_python() -> Path:
-    """A Python that imports speculators 0.9.0 (a venv made once under the project's cache, with network)."""
-    venv = cache_root() / "speculators-0.9.0"
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import speculators.models.eagle3, loguru"]
-    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run(pip + ["--no-deps", SPECULATORS], check=True)
-        subprocess.run(pip + list(SPECULATORS_IMPORTS), check=True)
-        subprocess.run(probe, check=True)
-    return python
+def speculators_env_vars() -> dict[str, str]:
+    """The environment in which `sys.executable` imports speculators 0.9.0. Installed once per Python version under
+    the project's cache (needs the package registry), into a staging directory renamed into place only after the
+    import works: an interrupted or failed install never leaves a directory that a later run would trust."""
+    where = cache_root() / f"speculators-0.9.0-py{sys.version_info.major}.{sys.version_info.minor}"
+    probe = [sys.executable, "-c", "import speculators.models.eagle3, loguru"]
+    if where.is_dir() and subprocess.run(probe, env=speculators_env(where), capture_output=True).returncode == 0:
+        return speculators_env(where)
+    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--target", str(staging), SPECULATORS, *SPECULATORS_IMPORTS], check=True)
+        subprocess.run(probe, env=speculators_env(staging), check=True)
+        shutil.rmtree(where, ignore_errors=True)
+        os.replace(staging, where)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return speculators_env(where)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +72,8 @@ def eagle3_dir(tmp_path_factory):
     return root, target, heads
 
 
-@pytest.mark.timeout(600)  # the first run on a machine installs speculators into its venv
-def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, speculators_python, tmp_path):
+@pytest.mark.timeout(600)  # the first run on a machine installs speculators
+def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, speculators_env_vars, tmp_path):
     root, target, heads = eagle3_dir
     assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
@@ -70,8 +84,8 @@ def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, specul
     # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at rotary position t+1
     torch.save({"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": 3},
                tmp_path / "inputs.pt")
-    proc = subprocess.run([str(speculators_python), str(HERE / "speculators_check.py"), str(tmp_path / "out"),
-                           str(tmp_path / "inputs.pt")], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(HERE / "speculators_check.py"), str(tmp_path / "out"),
+                           str(tmp_path / "inputs.pt")], capture_output=True, text=True, env=speculators_env_vars)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # every tensor we wrote is one of theirs; what they miss is only the verifier's own LM head and norm, which
