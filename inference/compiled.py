@@ -30,7 +30,7 @@ from torch import nn
 
 from inference.kv import cache_kwargs, new_static_cache, set_static_length
 from inference.tree import Tree
-from medusa_train.target import hidden_with_layers
+from medusa_train.target import final_logits, hidden_with_layers
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # verify row counts compiled for (a tree is padded to the next)
 CAPACITY_STEP = 256  # cache capacity is reserved in multiples of this (each new capacity compiles again)
@@ -106,8 +106,7 @@ class StaticVerifier:
 
     def _verify_rows(self, tokens, depth, ancestors, prefix):
         h = self._run(tokens, depth, ancestors, prefix)
-        lm_head = self.model.get_output_embeddings()
-        return lm_head(h[:, :self.hidden_size]), h
+        return final_logits(self.model, h[:, :self.hidden_size]), h
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt ([1, T]) into an emptied cache, eagerly: its features [T, d or more]."""

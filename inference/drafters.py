@@ -34,6 +34,7 @@ from torch import nn
 from inference.kernels import use_onednn_linear
 from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
                             select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
+from medusa_train.target import logit_transform
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
 
@@ -214,6 +215,9 @@ class HeadsDrafter(TreeDrafter):
         use_onednn_linear(self.heads)  # float32 on a CPU: small-M matmuls are 2x faster on oneDNN than MKL
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # the target's own final-logit transform (a scale, a soft cap): the draft distribution q is then on the
+        # target's footing, which is what lossless sampling compares it with
+        self.transform = logit_transform(target.config)
         self.max_depth = heads.spec.num_heads
         self.max_candidates = heads.spec.scored_vocab
         self.chained = heads.spec.kind == "chained"
@@ -291,6 +295,8 @@ class HeadsDrafter(TreeDrafter):
 
     def candidates(self, logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `num` best of each row of logits [M, V_draft]: (target ids, their log-probabilities), best first."""
+        if not self.transform.identity:
+            logits = self.transform(logits)
         top = torch.topk(logits, num, dim=-1)
         logq = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)  # log-probs of the candidates only
         return self.heads.to_target_ids(top.indices), logq

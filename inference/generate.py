@@ -34,7 +34,7 @@ from inference.verify import (accept_greedy, accept_lossless, accept_typical, sa
                               target_probs, verify_tree)
 from medusa_train.chat import render_prompt
 from medusa_train.errors import ArgumentParser
-from medusa_train.target import eos_ids, text_config
+from medusa_train.target import eos_ids, final_logits, text_config, unsupported_reason
 
 Acceptance = Literal["exact", "typical"]
 
@@ -147,8 +147,9 @@ def check_supported(model: nn.Module) -> None:
     if getattr(model, "get_output_embeddings", None) is None or model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{model_type}: the target needs an LM head; load it with "
                                     f"AutoModelForCausalLM")
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported; use a causal LM")
+    reason = unsupported_reason(config) if config is not None else None
+    if reason:
+        raise UnsupportedModelError(f"{model_type}: {reason}")
     if getattr(model, "_is_stateful", False):
         raise UnsupportedModelError(f"{model_type}: its recurrent state cannot be rolled back to an accepted "
                                     f"tree path, so tree verification would be wrong")
@@ -188,14 +189,27 @@ def check_tree_attention(model: nn.Module) -> None:
     r, a, b, c = ((torch.arange(4, device=device) * 11 + 5) % vocab).tolist()
     tree = tree_from_parents(torch.tensor([r, a, b, c], device=device), torch.tensor([0, 0, 0, 1], device=device),
                              torch.tensor([0, 1, 1, 2], device=device), 2)
-    with torch.inference_mode():
-        cache = new_cache()
-        target_forward(model, prompt[None], cache)
-        got, _ = verify_tree(model, cache, tree)  # [4, V]
-        branch_1 = torch.cat([prompt, torch.tensor([r, a, c], device=device)])[None]
-        branch_2 = torch.cat([prompt, torch.tensor([r, b], device=device)])[None]
-        want_1 = model(input_ids=branch_1).logits[0, -3:]  # nodes 0, 1, 3
-        want_2 = model(input_ids=branch_2).logits[0, -1:]  # node 2
+    try:
+        with torch.inference_mode():
+            cache = new_cache()
+            target_forward(model, prompt[None], cache)
+            stateful = [type(layer).__name__ for layer in getattr(cache, "layers", [])
+                        if not hasattr(layer, "keys") or "Linear" in type(layer).__name__]
+            if stateful:
+                raise UnsupportedModelError(f"{model_type}: its cache holds {stateful[0]} layers (a recurrent state, "
+                                            "not per-token keys and values), which cannot be rolled back to the "
+                                            "accepted path of a verified tree")
+            got, _ = verify_tree(model, cache, tree)  # [4, V]
+            branch_1 = torch.cat([prompt, torch.tensor([r, a, c], device=device)])[None]
+            branch_2 = torch.cat([prompt, torch.tensor([r, b], device=device)])[None]
+            want_1 = model(input_ids=branch_1).logits[0, -3:]  # nodes 0, 1, 3
+            want_2 = model(input_ids=branch_2).logits[0, -1:]  # node 2
+    except UnsupportedModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the model's own code raises on a tree, one line, not a traceback
+        raise UnsupportedModelError(
+            f"{model_type}: its forward fails on a tree (a 4D attention mask with position ids): "
+            f"{type(e).__name__}: {' '.join(str(e).split())[:160]}; this architecture is not supported") from None
     want = torch.cat([want_1[:2], want_2, want_1[2:]]).float()
     tol = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
     err = (got.float() - want).abs().max().item()
@@ -338,7 +352,7 @@ class SpeculativeGenerator:
             cache = new_cache()
             hs = target_forward(self.target, input_ids, cache, layers=self.drafter.target_layers)[0]  # [T, d or more]
         h = hs[-1, :self.hidden_size]  # h at the prompt's last position
-        logits = self.target.get_output_embeddings()(h)  # [V]
+        logits = final_logits(self.target, h)  # [V]
         root = self.next_token(logits, sampling).view(1)
         if self.drafter.needs_history:  # position j is followed by x_{j+1}; the last one by the root
             self.drafter.observe(hs, torch.cat([input_ids[0, 1:], root]))

@@ -26,7 +26,7 @@ from torch import nn
 from inference.kernels import tree_attention
 from inference.kv import cache_kwargs, cache_length
 from inference.tree import Tree, tree_attention_mask, tree_position_ids
-from medusa_train.target import hidden_with_layers
+from medusa_train.target import final_logits, hidden_with_layers
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta)
@@ -52,8 +52,8 @@ def verify_tree(model: nn.Module, cache, tree: Tree, layers: Sequence[int] = ())
     position_ids = tree_position_ids(tree.depth, prefix_len)  # [1, N]
     with tree_attention(model):  # grouped-query heads read in place on a CPU, not copied per layer
         h = target_forward(model, tree.tokens[None], cache, mask, position_ids, layers)[0]  # [N, d or more]
-    lm_head = model.get_output_embeddings()
-    return lm_head(h[:, :lm_head.weight.shape[1]] if layers else h), h
+    d = model.get_output_embeddings().weight.shape[1]
+    return final_logits(model, h[:, :d] if layers else h), h
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

@@ -53,9 +53,10 @@ def layer_config(target_config: Any) -> dict[str, Any]:
     the diff dict speculators writes for `transformer_layer_config`."""
     text = text_config(target_config)
     d, heads = text.hidden_size, text.num_attention_heads
-    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = getattr(text, "rope_parameters", None) or default
     if "sliding_attention" in rope or "full_attention" in rope:  # per-layer-type rotary: take the full one
-        rope = rope.get("full_attention", next(iter(rope.values())))
+        rope = rope.get("full_attention") or next((v for v in rope.values() if v), None) or default
     cfg = LlamaConfig(
         vocab_size=text.vocab_size, hidden_size=d, num_attention_heads=heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,

@@ -43,6 +43,7 @@ from .files import write_json
 from .heads import DraftHeads, HeadsMismatchError
 from .losses import STATS, chunk_positions, chunked_head_losses, head_logits, head_targets, shift_left, summarize
 from .target_states import TargetStates
+from .target import logit_transform
 
 MAX_RANK = 10
 ACCEPTANCE_NAME = "acceptance.json"
@@ -104,6 +105,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
     heads.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     target_states = TargetStates(target, lm_head, layers=heads.spec.aux_layers)
+    transform = logit_transform(target.config)
     dtype = next(heads.parameters()).dtype
     K = heads.spec.num_heads
     stats = torch.zeros(K, len(STATS))
@@ -118,7 +120,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
         # per-sequence loss statistics, so that gather_for_metrics can drop duplicated samples
         per_seq = torch.stack([chunked_head_losses(heads, states[:, b:b + 1], h[b:b + 1], greedy[b:b + 1],
                                                    ids[b:b + 1], labels[b:b + 1], mask[b:b + 1], lm_head,
-                                                   loss_cfg)[1]
+                                                   loss_cfg, transform)[1]
                                for b in range(ids.shape[0])])  # [B, K, S]
         seq_hits = conditional_rank_hits(heads, states, greedy, ids, labels, mask, lm_head, loss_cfg.chunk_size)
         if accelerator is not None:

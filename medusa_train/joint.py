@@ -31,7 +31,7 @@ from .config import ConfigError, LoraSettings, LossConfig
 from .files import atomic_write_dir
 from .heads import DraftHeads, output_signature
 from .losses import IGNORE, FusedHeadLoss, chunk_positions, chunked_head_losses, greedy_tokens, shift_left
-from .target import hidden_with_layers, peft_quietly
+from .target import LogitTransform, hidden_with_layers, logit_transform, peft_quietly
 
 ADAPTER_DIR = "adapter"
 
@@ -71,7 +71,7 @@ def adapter_modules(peft_model: nn.Module) -> nn.ModuleList:
 
 
 def lm_kl(h: torch.Tensor, h_original: torch.Tensor, lm_head: nn.Module, valid: torch.Tensor, weight: float,
-          chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          chunk_size: int, transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weight x mean KL(original || adapted) over `valid` positions, with grad to h; the sum of that KL over
     them, detached; the adapted target's greedy token at every position [B, T]).
 
@@ -94,8 +94,10 @@ def lm_kl(h: torch.Tensor, h_original: torch.Tensor, lm_head: nn.Module, valid: 
     for a in range(0, flat.shape[0], rows):
         b = a + rows
         with torch.no_grad():  # the same matmul FusedHeadLoss makes, so that equal states give a KL of exactly 0
-            teacher = torch.log_softmax((flat_o[a:b] @ w.t()).float(), dim=-1)
-        part, kl, _, top5 = FusedHeadLoss.apply(flat[a:b], w, teacher, no_target[a:b], pos_weight[a:b], weight, 0.0)
+            z = (flat_o[a:b] @ w.t()).float()
+            teacher = torch.log_softmax(z if transform is None or transform.identity else transform(z), dim=-1)
+        part, kl, _, top5 = FusedHeadLoss.apply(flat[a:b], w, teacher, no_target[a:b], pos_weight[a:b], weight, 0.0,
+                                                transform)
         loss, kl_sum = loss + part, kl_sum + kl
         greedy.append(top5[:, 0])
     return loss, kl_sum, torch.cat(greedy).view(B, T)
@@ -128,6 +130,7 @@ class JointObjective(nn.Module):
         """(loss, heads' stats [K, len(STATS)], the summed KL(original || adapted) and its position count [2]).
         `joint=False` (the heads' warm-up): the target runs without grad and the adapters stay out of the step."""
         model, d = self.peft.get_base_model(), self.heads.spec.hidden_size
+        transform = logit_transform(model.config)
         kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         valid = next_token_supervised(labels, attention_mask)
         kl = torch.zeros(2, device=input_ids.device)
@@ -139,14 +142,14 @@ class JointObjective(nn.Module):
                 h_original = model.base_model(**kw).last_hidden_state
             with record_function("joint: KL to the original"):
                 lm_loss, kl[0], greedy = lm_kl(h[..., :d], h_original, lm_head, valid, self.cfg.lm_weight,
-                                               self.cfg.chunk_size)
+                                               self.cfg.chunk_size, transform)
         else:  # the adapters have not moved (warm-up) or nothing holds the target to the original
             lm_loss, greedy = 0.0, greedy_tokens(lm_head, h[..., :d].detach())
         with record_function("joint: heads and their loss"):
             dtype = next(self.heads.parameters()).dtype
             states = self.heads(h.to(dtype), input_ids, embed)
             loss, stats = chunked_head_losses(self.heads, states, h[..., :d], greedy * attention_mask, input_ids,
-                                              labels, attention_mask, lm_head, self.cfg)
+                                              labels, attention_mask, lm_head, self.cfg, transform)
         return loss + lm_loss, stats, kl.detach()
 
 
@@ -165,7 +168,7 @@ def held_out_lm_kl(peft_model: nn.Module, batches, max_batches: int, chunk_size:
         with peft_model.disable_adapter():
             h_original = model.base_model(**kw).last_hidden_state
         valid = next_token_supervised(batch["labels"], batch["attention_mask"])
-        _, kl, _ = lm_kl(h, h_original, lm_head, valid, 1.0, chunk_size)
+        _, kl, _ = lm_kl(h, h_original, lm_head, valid, 1.0, chunk_size, logit_transform(model.config))
         both = torch.stack([kl, valid.sum().float()])
         if accelerator is not None:
             both = accelerator.reduce(both, "sum")

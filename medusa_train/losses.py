@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import LossConfig
 from .heads import DraftHeads
+from .target import LogitTransform
 
 IGNORE = -100
 # Columns of the per-head statistics tensor [K, len(STATS)]. All are sums over positions, so they add up
@@ -113,11 +114,19 @@ class FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, teacher_logp: torch.Tensor | None,
-                target_idx: torch.Tensor, pos_weight: torch.Tensor, distill_w: float, ce_w: float
+                target_idx: torch.Tensor, pos_weight: torch.Tensor, distill_w: float, ce_w: float,
+                transform: LogitTransform | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # states [n, d] (weight's dtype); weight [V, d]; teacher_logp [n, V] fp32 or None;
-        # target_idx [n] (-1: not in the scored vocab); pos_weight [n] = mask * decay**k / count
-        logq = torch.log_softmax((states @ weight.t()).float(), dim=-1)  # [n, V]
+        # target_idx [n] (-1: not in the scored vocab); pos_weight [n] = mask * decay**k / count;
+        # transform: the target's final-logit transform (a scale, a soft cap), applied to the heads' logits too
+        z = (states @ weight.t()).float()  # [n, V]
+        dz = None
+        if transform is not None and not transform.identity:
+            z = transform(z)
+            dz = transform.derivative(z)  # d z' / d z, for the chain rule below
+        logq = torch.log_softmax(z, dim=-1)  # [n, V]
+        del z
         top5 = logq.topk(min(5, logq.shape[-1]), dim=-1).indices  # [n, 5], for the metrics
         mask = (pos_weight != 0).float()
         in_vocab = (target_idx >= 0).float()
@@ -134,6 +143,9 @@ class FusedHeadLoss(torch.autograd.Function):
             ce = -logq.gather(-1, y).squeeze(-1)
             grad.scatter_add_(-1, y, -(pos_weight * ce_w * in_vocab).unsqueeze(-1))
         del q, logq
+        if dz is not None:
+            grad.mul_(dz)
+            del dz
         loss = (pos_weight * (distill_w * kl + ce_w * in_vocab * ce)).sum()
         grad_states = (grad.to(weight.dtype) @ weight) if ctx.needs_input_grad[0] else None  # [n, d]
         grad_weight = (grad.t().to(states.dtype) @ states) if ctx.needs_input_grad[1] else None  # [V, d]
@@ -145,12 +157,13 @@ class FusedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _kl, _ce, _top5):
         grad_states, grad_weight = ctx.saved_tensors
         return (None if grad_states is None else grad_states * grad_loss,
-                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
+                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None, None)
 
 
 def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, greedy: torch.Tensor,
                         input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                        lm_head: nn.Module | None, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                        lm_head: nn.Module | None, cfg: LossConfig, transform: LogitTransform | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Total loss (a scalar) and per-head statistics [K, len(STATS)] (sums; see `STATS`).
 
     states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states and greedy
@@ -158,7 +171,8 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     (the teacher, and the heads' scorer unless they own one). Positions are processed in chunks of about
     `cfg.chunk_size` (over B x T); within a chunk the teacher's logits are computed once, over the heads'
     scored vocabulary only (a draft vocabulary's columns), and shared by all heads; each head's vocab-sized
-    tensors exist only inside its `FusedHeadLoss` call. Accuracies compare against the greedy tokens.
+    tensors exist only inside its `FusedHeadLoss` call. Accuracies compare against the greedy tokens. `transform`:
+    the target's final-logit transform (`medusa_train.target.logit_transform`), applied to teacher and heads alike.
     """
     K, B, T, d = states.shape
     target_ids, valid = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]
@@ -187,6 +201,8 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
         teacher_logp = None
         if cfg.distill_weight > 0:  # soft labels, normalised over the scored vocabulary
             teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], teacher_w, teacher_b)  # [B, c+K-1, V']
+            if transform is not None and not transform.identity:
+                teacher = transform(teacher)
             teacher_logp = torch.log_softmax(teacher, dim=-1)
             del teacher
         teacher_top = greedy_next[:, a:b + K - 1]  # the target's greedy token (a target id), for the accuracies
@@ -196,7 +212,7 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
             p_k = None if teacher_logp is None else teacher_logp[:, k:k + c].reshape(B * c, -1)
             head_loss, kl, ce, top5 = FusedHeadLoss.apply(
                 s, w, p_k, target_idx[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
-                cfg.distill_weight, cfg.ce_weight)
+                cfg.distill_weight, cfg.ce_weight, transform)
             loss = loss + head_loss
             with torch.no_grad():  # accuracies as target ids, kept on device
                 mask = valid[k, :, a:b].reshape(-1).float()
@@ -221,10 +237,11 @@ class HeadsObjective(nn.Module):
     checkpoints and optimizers hold head parameters only.
     """
 
-    def __init__(self, heads: DraftHeads, cfg: LossConfig):
+    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None):
         super().__init__()
         self.heads = heads
         self.cfg = cfg
+        self.transform = transform  # the target's final-logit transform (None: the identity)
 
     def forward(self, h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
@@ -236,7 +253,7 @@ class HeadsObjective(nn.Module):
         states = self.heads(h.to(dtype), input_ids, embed)  # [K, B, T, d]
         h = h[..., :self.heads.spec.hidden_size]  # the teacher reads h_t
         return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,
-                                   self.cfg)
+                                   self.cfg, self.transform)
 
 
 def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:

@@ -10,6 +10,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -164,13 +165,92 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# layer kinds that keep a recurrent state (convolution, linear attention, state-space), not per-token keys and values
+_RECURRENT_KINDS = ("conv", "linear", "mamba", "recurrent", "ssm", "rwkv", "hybrid", "delta")
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the engine cannot verify a tree on a model with this config, read from the config alone (None: no reason
+    found here; the engine's self-check at load still runs). One clause, for a one-line refusal that names the
+    model type. Training checks it before loading anything, so heads are never trained for a target the engine
+    would refuse."""
+    text = text_config(config)
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported (the heads draft for a causal LM's decoder)"
+    model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "")
+    attn = getattr(text, "attn_config", None)
+    alibi = getattr(text, "alibi", False) or getattr(attn, "alibi", False) or (
+        isinstance(attn, dict) and attn.get("alibi")) or model_type == "bloom"
+    if alibi:
+        return ("its ALiBi position bias is built inside the model from a 2D padding mask, so the 4D tree attention "
+                "mask the engine verifies with cannot carry it (tree positions would get the wrong bias)")
+    kinds = list(getattr(text, "layer_types", None) or []) + list(getattr(text, "layers_block_type", None) or [])
+    recurrent = sorted({str(k) for k in kinds if any(r in str(k).lower() for r in _RECURRENT_KINDS)})
+    pattern = getattr(text, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and "M" in pattern:
+        recurrent.append("mamba")
+    if recurrent:
+        return (f"its {', '.join(recurrent)} layers keep a recurrent state, not per-token keys and values, which "
+                "cannot be rolled back to the accepted path of a verified tree")
+    return None
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's own forward does to `lm_head(h)` before it returns logits, read from its config: Cohere
+    multiplies by `logit_scale`, Granite divides by `logits_scaling`, Gemma-2/3 cap with `final_logit_softcapping`
+    (cap * tanh(z / cap)). Applied with the same operations in the same dtype as the model, so the engine's argmax
+    (ties included) is the model's; the teacher, the heads' scorer and the engine's sampling all go through it."""
+
+    multiply: float = 1.0
+    divide: float = 1.0
+    softcap: float = 0.0
+
+    @property
+    def identity(self) -> bool:
+        return self.multiply == 1.0 and self.divide == 1.0 and not self.softcap
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if self.multiply != 1.0:
+            z = z * self.multiply
+        if self.divide != 1.0:
+            z = z / self.divide
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    def derivative(self, out: torch.Tensor) -> torch.Tensor | float:
+        """d out / d z, from the transformed logits `out` (for an analytic backward)."""
+        d = self.multiply / self.divide
+        return d * (1 - (out / self.softcap) ** 2) if self.softcap else d
+
+
+def logit_transform(config) -> LogitTransform:
+    """The final-logit transform of a model with this config (the identity for most)."""
+    text = text_config(config)
+    scale = getattr(text, "logit_scale", None)
+    scaling = getattr(text, "logits_scaling", None)
+    cap = getattr(text, "final_logit_softcapping", None)
+    return LogitTransform(multiply=float(scale) if scale else 1.0, divide=float(scaling) if scaling else 1.0,
+                          softcap=float(cap) if cap else 0.0)
+
+
+def final_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The logits `model` itself returns for final hidden states h [..., d]: its LM head, then its transform."""
+    transform = logit_transform(model.config)
+    logits = model.get_output_embeddings()(h)
+    return logits if transform.identity else transform(logits)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's stack of decoder layers (the base model's ModuleList with one entry per hidden layer)."""
     config = text_config(model.config)
     n = getattr(config, "num_hidden_layers", None)
-    for child in model.base_model.children():
-        if isinstance(child, nn.ModuleList) and len(child) == n:
-            return child
+    # the shallowest ModuleList of that length (OPT keeps it in model.decoder.layers, most in model.layers)
+    found = [(name.count("."), not name.endswith("layers"), name, m) for name, m in model.base_model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) == n]
+    if found:
+        return min(found, key=lambda f: f[:3])[3]
     raise ValueError(f"{getattr(config, 'model_type', type(model).__name__)}: no stack of {n} decoder layers found "
                      "in its base model, so its intermediate states cannot be read (heads.kind=eagle3 needs them)")
 

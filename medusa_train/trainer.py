@@ -42,7 +42,7 @@ from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
 from .joint import JointObjective, add_lora, held_out_lm_kl, save_adapter
 from .losses import STATS, HeadsObjective, summarize
-from .target import load_model, load_tokenizer, text_config
+from .target import decoder_layers, load_model, load_tokenizer, logit_transform, text_config, unsupported_reason
 from .target_states import TargetStates
 
 CHECKPOINTS = "checkpoints"
@@ -484,7 +484,7 @@ def setup(cfg: Config) -> Run:
 
     groups = param_groups(heads, cfg.train.weight_decay)
     if peft is None:
-        objective = HeadsObjective(heads, cfg.loss)
+        objective = HeadsObjective(heads, cfg.loss, logit_transform(target.config))
     else:
         objective = JointObjective(heads, peft, cfg.loss)
         groups.append({"params": list(objective.adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0})
@@ -539,17 +539,41 @@ def check_writable(path: Path, key: str) -> None:
                           "or fix its permissions") from None
 
 
-def target_text_config(cfg: Config):
-    """The target's (text) config, cheap to read before the model loads; None if it cannot be read (loading the
-    model will then say why)."""
+def target_config(cfg: Config):
+    """The target's config, cheap to read before the model loads; None if it cannot be read (loading the model will
+    then say why)."""
     from transformers import AutoConfig
 
     kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
+        return AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
     except Exception:  # noqa: BLE001 - offline, missing, gated: all reported by the model load
         return None
-    return text_config(config)
+
+
+def target_text_config(cfg: Config):
+    """The target's text config (see `target_config`)."""
+    config = target_config(cfg)
+    return None if config is None else text_config(config)
+
+
+def check_target_supported(cfg: Config, config) -> None:
+    """The engine's support rules, from the config alone, and what the heads' kind needs of the target: heads are
+    never trained for a target the engine would refuse, nor fail after an hour for want of its layers."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "?")
+    reason = unsupported_reason(config)
+    if reason:
+        raise ConfigError(f"target.model={cfg.target.model}: {model_type}: {reason}; the engine cannot generate with "
+                          "heads for it, so nothing was trained: pick a target with attention layers only")
+    if cfg.heads.kind == "eagle3":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):  # the module tree without memory: where its decoder layers are
+                decoder_layers(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.target.trust_remote_code))
+        except ValueError as e:
+            raise ConfigError(f"heads.kind=eagle3: {e}; use heads.kind=chained for this target") from None
 
 
 def head_parameters(cfg: Config, text) -> int:
@@ -578,9 +602,11 @@ def check_before_loading(cfg: Config) -> None:
     check_writable(out, "output_dir")
     if cfg.train.hidden_cache_dir:
         check_writable(Path(cfg.train.hidden_cache_dir), "train.hidden_cache_dir")
-    text = target_text_config(cfg)
-    if text is None:
+    config = target_config(cfg)
+    if config is None:
         return
+    check_target_supported(cfg, config)
+    text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None)
     if cfg.heads.aux_layers and layers is not None and max(cfg.heads.aux_layers) > layers:
         raise ConfigError(f"heads.aux_layers={cfg.heads.aux_layers}: the target has {layers} layers, so ids go from 0 "

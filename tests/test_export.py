@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def speculators_env(where: Path) -> dict[str, str]:
-    return os.environ | {"PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
+    return os.environ | {"PYTHONPATH": path}
 
 
 @pytest.fixture(scope="session")

@@ -187,3 +187,35 @@ def test_trees_never_ask_for_more_candidates_than_the_vocabulary(tree):
     assert len(out.token_ids) == 6
     with pytest.raises(ValueError, match="rank 5.*at most 4"):
         gen.generate(PROMPT, max_new_tokens=6, tree=[(5,)])
+
+
+def capped_or_scaled_model(model_type: str):
+    """A 4-token Gemma-2 whose soft cap (final_logit_softcapping) squashes its logits to +-1.5, or a Cohere whose
+    logit_scale multiplies them by 0.25: the model's own logits are far from `lm_head(h)`, so a sampler that forgets
+    the transform draws from another distribution."""
+    from transformers import CohereConfig, Gemma2Config
+
+    torch.manual_seed(4)
+    common = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=False)
+    config = (Gemma2Config(head_dim=8, final_logit_softcapping=1.5, **common) if model_type == "gemma2"
+              else CohereConfig(logit_scale=0.25, **common))
+    model = AutoModelForCausalLM.from_config(config).eval().double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere"])
+def test_lossless_sampling_applies_the_models_final_logit_transform(model_type):
+    model = capped_or_scaled_model(model_type)
+    h = model.model(PROMPT).last_hidden_state[0, -1]
+    raw, own = model.lm_head(h), model(PROMPT).logits[0, -1]
+    # the transform is far from the identity here: the next token's distribution moves by more than 0.15 (total
+    # variation), which 1,500 draws tell apart many times over
+    assert (torch.softmax(raw, -1) - torch.softmax(own, -1)).abs().sum() / 2 > 0.15
+    probs = exact_joint(model)  # from the model's own logits
+    counts = empirical_counts(heads_generator(model), 1500, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)

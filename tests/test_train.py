@@ -704,6 +704,25 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
         train(config(ws, "x"))
 
 
+def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, monkeypatch):
+    """The engine's support rules run on the target's config before anything loads: ALiBi (Bloom) and recurrent
+    layers (LFM2's convolutions) stop with one line naming the model type; eagle3 heads on OPT find its decoder
+    layers one level down (model.decoder.layers) and pass."""
+    import medusa_train.trainer as trainer
+    from medusa_train.config import ConfigError
+
+    from archs import tiny_config
+
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for name, overrides, message in [("bloom", {}, "bloom: its ALiBi position bias"),
+                                     ("lfm2", dict(layer_types=["conv", "full_attention"]), "lfm2: its conv layers")]:
+        tiny_config(name, **overrides).save_pretrained(tmp_path / name)
+        with pytest.raises(ConfigError, match=rf"^target.model=.*{name}: {message}.*nothing was trained"):
+            train(config(ws, "x", f"target.model={tmp_path / name}"))
+    tiny_config("opt").save_pretrained(tmp_path / "opt")
+    trainer.check_before_loading(config(ws, "x", f"target.model={tmp_path / 'opt'}", "heads.kind=eagle3"))
+
+
 def _tiny_target(ws):
     from transformers import AutoModelForCausalLM
 
