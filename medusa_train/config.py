@@ -159,6 +159,11 @@ class TrainConfig:
     """An optimizer step whose gradient norm is not finite (a NaN or infinite loss or gradient) is skipped: no
     update, counted in `train/skipped_steps`. This many in a row stop the run with exit code 1, keeping the last
     checkpoint (0: never stop). Heads with non-finite weights are never saved."""
+    max_loss_growth: float = 10.0
+    """A loss that explodes is a divergence too, finite or not: when the mean training loss of a logging window is
+    more than this many times the best window's so far, twice in a row, the run stops with exit code 1 keeping the
+    last good checkpoint; a checkpoint (or the final heads) is never written from a window above it (0: never
+    stop). A healthy run's windows stay within 2x of their best; lr=1e6 reaches 1e8x."""
     cache_hidden: bool = False
     """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
     epoch after the first skips the target forward (costs d x 4 bytes per token in float32: for small targets and
@@ -506,6 +511,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(t.heads_warmup_steps >= 0, f"train.heads_warmup_steps must be >= 0, got {t.heads_warmup_steps}")
     need(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0 (0: never stop), got "
                                      f"{t.max_nonfinite_steps}")
+    need(t.max_loss_growth == 0 or t.max_loss_growth > 1, f"train.max_loss_growth must be > 1 (0: never stop), got "
+                                                          f"{t.max_loss_growth}")
 
     lo = cfg.loss
     need(lo.distill_weight >= 0, f"loss.distill_weight must be >= 0, got {lo.distill_weight}")

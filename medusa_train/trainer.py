@@ -199,7 +199,7 @@ def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
             os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
         _fsync(root)
-        for old in checkpoints(cfg.output_dir)[cfg.train.keep_checkpoints:]:
+        for old in rotated_out(cfg.output_dir, final, cfg.train.keep_checkpoints):
             trash = root / f".trash-{old.name}"
             os.replace(old, trash)  # never a half-deleted step-N that could look complete
             shutil.rmtree(trash, ignore_errors=True)
@@ -207,6 +207,26 @@ def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
             shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def rotated_out(output_dir: str | os.PathLike, newest: Path, keep: int) -> list[Path]:
+    """The checkpoints a rotation removes: all but the newest `keep` that verify (`newest`, just written and checked,
+    among them). A damaged one is never kept in place of one that verifies: it is removed, and said so, so that a
+    second fault cannot leave nothing to resume from. Verifies (sha256) only until `keep` good ones are found."""
+    kept, out = [newest], []
+    for ckpt in checkpoints(output_dir):
+        if ckpt == newest:
+            continue
+        if len(kept) >= keep:
+            out.append(ckpt)
+            continue
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            kept.append(ckpt)
+        else:
+            print(f"checkpoints: removing {ckpt}, which does not verify ({problem})", flush=True)
+            out.append(ckpt)
+    return out
 
 
 def remove_stale_files(output_dir: str | os.PathLike) -> None:
@@ -265,9 +285,14 @@ class Meter:
         self.micro_steps = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm, since the run started
         self.nonfinite_in_a_row = 0
+        self.best_loss = math.inf  # the lowest mean loss of a logging window so far (`train.max_loss_growth`)
+        self.first_loss: torch.Tensor | None = None  # of this run's first micro-batch, before any update
+        self.grown_in_a_row = 0  # windows in a row whose loss grew past max_loss_growth x best_loss
         self.restart_clock()
 
     def add(self, loss: torch.Tensor, stats: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        if self.first_loss is None:
+            self.first_loss = loss.detach().clone()
         self.stats += stats.detach()
         self.loss += loss.detach()
         self.tokens += attention_mask.sum()
@@ -278,6 +303,19 @@ class Meter:
         resumed from a step between two logs would otherwise lose them)."""
         position["tokens"] += int(accelerator.reduce(self.tokens, "sum"))
         self.tokens.zero_()
+
+    def start_loss(self, accelerator) -> float:
+        """The mean loss of the first micro-batch of every process, before any update: the start a loss is measured
+        against, even when the first logging window already holds the explosion (a collective: every process calls
+        it, at the same step)."""
+        return float(accelerator.reduce(self.first_loss, "sum") / accelerator.num_processes)
+
+    def window_loss(self, accelerator) -> float | None:
+        """The mean loss since the last log, across processes (a host sync: called where a checkpoint is saved), or
+        None if no micro-step ran since."""
+        if not self.micro_steps:
+            return None
+        return float(accelerator.reduce(self.loss, "sum") / (self.micro_steps * accelerator.num_processes))
 
     def restart_clock(self) -> None:
         """tokens/s measures training only: restart after evaluating or saving."""
@@ -511,8 +549,9 @@ def setup(cfg: Config) -> Run:
 # Keys a resumed run may change: they decide how long it runs and what it logs or keeps, never the math of a step
 # (a changed max_steps or epochs changes where the schedule ends, which is what asking for more steps means).
 RESUMABLE_CHANGES = ("output_dir", "resume", "train.max_steps", "train.epochs", "train.log_every", "train.save_every",
-                     "train.keep_checkpoints", "train.max_nonfinite_steps", "train.cache_hidden",
-                     "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.", "tracking.")
+                     "train.keep_checkpoints", "train.max_nonfinite_steps", "train.max_loss_growth",
+                     "train.cache_hidden", "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.",
+                     "tracking.")
 
 
 def check_joint_distributed(accelerator) -> None:
@@ -764,6 +803,7 @@ def train_loop(run: Run) -> bool:
                     if run.peft is not None:  # the adapters' group is the last
                         row["train/adapter_lr"] = run.scheduler.get_last_lr()[-1]
                     log_row(accelerator, cfg, step, row)
+                    check_loss_growth(run, meter, row["train/loss"], step)
                     bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",
                                     tok_s=f"{row['train/tokens_per_s']:.0f}")
                 if run.eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
@@ -775,8 +815,14 @@ def train_loop(run: Run) -> bool:
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or last or stop.requested:
                     with full_params(accelerator, run.objective):
                         check_finite(run.objective, step)  # a checkpoint of garbage would rotate out a good one
-                    meter.bank_tokens(accelerator, position)
-                    save_checkpoint(accelerator, cfg, position)
+                    window = meter.window_loss(accelerator)  # since the last log (None: it was just checked)
+                    if window is not None:
+                        check_loss_growth(run, meter, window, step, final=last)
+                    if meter.grown_in_a_row:  # heads from an exploding loss would rotate out a good checkpoint
+                        accelerator.print(f"step {step}: checkpoint not written: the loss is exploding")
+                    else:
+                        meter.bank_tokens(accelerator, position)
+                        save_checkpoint(accelerator, cfg, position)
                     meter.restart_clock()
                 if last or stop.requested:
                     break
@@ -805,6 +851,31 @@ def count_nonfinite(run: Run, meter: Meter, finite: bool, step: int) -> None:
             f"training diverged: {limit} optimizer steps in a row (to step {step}) had a non-finite gradient norm; "
             f"stopped without saving. The last checkpoint is {last or 'none'}: lower train.lr (now "
             f"{run.cfg.train.lr:g}) or check the data, then resume from it (resume=PATH) or start over")
+
+
+def check_loss_growth(run: Run, meter: Meter, loss: float, step: int, final: bool = False) -> None:
+    """A loss that explodes is a divergence (finite or not): a window whose mean loss exceeds `train.max_loss_growth`
+    x the best window's so far counts; two in a row, or one at the last step (whose heads would be the result),
+    raise TrainingDiverged. A window back under the bound resets the count."""
+    factor = run.cfg.train.max_loss_growth
+    if not factor:
+        return
+    if meter.best_loss == math.inf:
+        meter.best_loss = meter.start_loss(run.accelerator)
+    if not loss > factor * meter.best_loss:  # a NaN loss counts as grown (its steps are also skipped)
+        meter.best_loss = min(meter.best_loss, loss)
+        meter.grown_in_a_row = 0
+        return
+    meter.grown_in_a_row += 1
+    run.accelerator.print(f"step {step}: training loss {loss:.4g} is over {factor:g}x its best window "
+                          f"({meter.best_loss:.4g}); {meter.grown_in_a_row} in a row")
+    if meter.grown_in_a_row >= 2 or final:
+        last = latest_checkpoint(run.cfg.output_dir)
+        raise TrainingDiverged(
+            f"training diverged: at step {step} the training loss is {loss:.4g}, over train.max_loss_growth="
+            f"{factor:g} x its best ({meter.best_loss:.4g}); nothing was saved from it. The last good checkpoint is "
+            f"{last or 'none'}: lower train.lr (now {run.cfg.train.lr:g}) and resume from it (resume=PATH), or start "
+            "over")
 
 
 def check_finite(objective: torch.nn.Module, step: int) -> None:

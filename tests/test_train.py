@@ -763,6 +763,46 @@ def test_checkpoints_verify_themselves_and_resume_falls_back_past_damaged_ones(w
     assert not list(out.glob(".*.tmp-*")) and not list(ckpts.glob(".tmp-*"))
 
 
+def test_rotation_keeps_the_checkpoints_that_verify(ws, capsys):
+    """The newest checkpoint is damaged and skipped on resume; the resumed run's next save must then rotate out the
+    damaged one, not the good one it resumed from (a second fault would otherwise leave nothing to resume)."""
+    common = ("train.keep_checkpoints=2", "eval.every=0")
+    train(config(ws, "rotate", "train.max_steps=6", "train.save_every=3", *common))
+    ckpts = ws / "rotate" / "checkpoints"
+    weights = next((ckpts / "step-6").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"damaged!")
+    capsys.readouterr()
+    train(config(ws, "rotate", "train.max_steps=4", "train.save_every=2", *common))  # resumes from step 3, saves 4
+    printed = capsys.readouterr().out
+    assert f"resumed from {ckpts / 'step-3'}" in printed
+    assert f"removing {ckpts / 'step-6'}, which does not verify" in printed
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-3", "step-4"]
+
+
+def test_an_exploding_loss_is_a_divergence(ws, capsys):
+    """lr=1e6: the loss grows by orders of magnitude while staying finite (no step is skipped). The run stops with
+    exit code 1 and one line, keeps the last checkpoint written before the explosion, and saves no heads."""
+    from medusa_train.cli import main
+
+    out = ws / "explode"
+    code = main([str(ws / "base.yaml"), f"output_dir={out}", "train.lr=1e6", "train.warmup_steps=0",
+                 "train.max_steps=30", "train.log_every=2", "train.save_every=1", "eval.every=0"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    m = re.search(r"error: training diverged: at step (\d+) the training loss is (\S+), over "
+                  r"train.max_loss_growth=10 x its best \((\S+)\); .*The last good checkpoint is .*: lower train.lr", err)
+    assert m, err
+    loss, best = float(m[2]), float(m[3])
+    assert loss > 10 * best and best < 20  # the start (about 6 on this data), not a window already exploded
+    assert not (out / "model.safetensors").exists()
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+    assert all(math.isfinite(r["train/loss"]) for r in rows) and rows[-1]["train/skipped_steps"] == 0
+    # no checkpoint was written from a window over the bound: each kept one precedes the first such logged window
+    grown_from = min([r["step"] for r in rows if r["train/loss"] > 10 * best] + [int(m[1])])
+    kept = [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")]
+    assert all(step < grown_from for step in kept)
+
+
 def test_damaged_heads_and_hidden_cache_files_are_named_in_one_line(ws, run20, tmp_path):
     from medusa_train.config import ConfigError
     from medusa_train.target_states import TargetStates
