@@ -790,7 +790,8 @@ def test_an_exploding_loss_is_a_divergence(ws, capsys):
     err = capsys.readouterr().err
     assert code == 1, err
     m = re.search(r"error: training diverged: at step (\d+) the training loss is (\S+), over "
-                  r"train.max_loss_growth=10 x its best \((\S+)\); .*The last good checkpoint is .*: lower train.lr", err)
+                  r"train.max_loss_growth=10 x its best \((\S+)\); .*The last good checkpoint is .*: "
+                  r"lower train.lr", err)
     assert m, err
     loss, best = float(m[2]), float(m[3])
     assert loss > 10 * best and best < 20  # the start (about 6 on this data), not a window already exploded
