@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from inference.kernels import undo_onednn_linear
 from inference.kv import cache_kwargs, new_static_cache, set_static_length
 from inference.tree import Tree
 from medusa_train.target import final_logits, hidden_with_layers
@@ -71,6 +72,7 @@ class StaticVerifier:
     def __init__(self, model: nn.Module, layers: Sequence[int] = (), mode: str | None = None,
                  backend: str = "inductor"):
         self.model, self.layers = model, tuple(layers)
+        undo_onednn_linear(model)  # packed oneDNN linears cannot be compiled (inductor cannot lower them)
         weight = model.get_output_embeddings().weight
         self.device, self.dtype, self.hidden_size = weight.device, weight.dtype, weight.shape[1]
         if mode is None and self.device.type == "cuda":

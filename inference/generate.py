@@ -292,7 +292,8 @@ class SpeculativeGenerator:
                 dtype = resolve_dtype(dtype or "auto", dev)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
             model = merge_recorded_adapter(model, spec.target_fingerprint, name).to(dev)
-            use_onednn_linear(model)  # float32 on a CPU: oneDNN's matmul, faster at every row count
+            if not compile:  # float32 on a CPU: oneDNN's matmul, faster at every row count (inductor makes its own)
+                use_onednn_linear(model)
         if tokenizer is None and name:
             tokenizer = AutoTokenizer.from_pretrained(name)
         drafter: Drafter = HeadsDrafter.from_pretrained(heads_dir, model)

@@ -111,6 +111,18 @@ def use_onednn_linear(model: nn.Module, pack: bool = True) -> int:
     return n
 
 
+def undo_onednn_linear(model: nn.Module) -> int:
+    """Give the model's linear layers their own forward back (what `use_onednn_linear` replaced): torch.compile's
+    inductor cannot lower the packed oneDNN op, and generates its own kernels anyway. Returns how many changed."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and "forward" in vars(module):
+            del module.forward
+            _PACKED.pop(module, None)
+            n += 1
+    return n
+
+
 def uses_onednn_linear(model: nn.Module) -> bool:
     return any(getattr(m.forward, "__func__", None) in (_onednn_forward, _packed_forward) for m in model.modules()
                if isinstance(m, nn.Linear))

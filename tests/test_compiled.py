@@ -60,6 +60,23 @@ def test_compiled_with_inductor_equals_target_generate():
     assert out.stats.accept_lengths[:-1] == [3] * (len(out.stats.accept_lengths) - 1)  # 3 of 4 drafts: good_depth 2
 
 
+def test_compile_from_pretrained_on_a_cpu(tmp_path):
+    """The public path, as a user calls it: `from_pretrained(heads_dir, compile=True)` with a float32 target on a CPU
+    (whose linear layers the eager engine routes through packed oneDNN kernels, which inductor cannot lower: it
+    crashed with a 100-line InductorError). Output equals the target's greedy output."""
+    from tiny import save_tiny
+
+    model = save_tiny(tmp_path / "target", "llama", seed=7)
+    heads = random_heads(model, "chained", 2, seed=1)
+    heads.spec.target_name = str(tmp_path / "target")
+    heads.save_pretrained(tmp_path / "heads")
+    gen = SpeculativeGenerator.from_pretrained(tmp_path / "heads", device="cpu", dtype="float32", lookup_nodes=0,
+                                               compile=True)
+    ids = prompt(9, 3)
+    out = gen.generate(ids, max_new_tokens=12, tree=[(0,), (0, 0)], tree_budget=2, eos_token_id=[])
+    assert out.token_ids.tolist() == greedy_reference(model, ids, 12, eos_token_id=[]).tolist()
+
+
 def test_static_cache_after_every_step_holds_plain_decoding():
     """The first `prefix` entries of the static cache equal plain decoding's cache over the committed tokens."""
     model = float64_model("qwen2", seed=4)
