@@ -149,25 +149,42 @@ def medusa_files(heads: DraftHeads, lm_head: torch.Tensor) -> tuple[dict[str, An
     return config, state
 
 
+# what each format holds, as the recipe keys that train such heads
+NEEDS = {"speculators": {"kind": "eagle3"}, "eagle3": {"kind": "eagle3"},
+         "medusa": {"kind": "parallel", "draft_vocab_size": 0, "context_layers": 0},
+         "mlp_speculator": {"kind": "chained", "block": "mlp_speculator", "layers_per_head": 1, "draft_vocab_size": 0,
+                            "context_layers": 0}}
+
+
+def format_problem(spec, fmt: str) -> str | None:
+    """Why heads of this spec do not fit `fmt` (None: they do), naming the recipe keys the format needs."""
+    wrong = [k for k, v in NEEDS[fmt].items() if getattr(spec, k) != v]
+    if not wrong:
+        return None
+    keys = " ".join(f"heads.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NEEDS[fmt].items())
+    return f"the {fmt} format holds heads trained with {keys}"
+
+
+def describe(spec) -> str:
+    """The heads' kind and what sets them apart, as recipe keys."""
+    extra = [f"heads.{k}={getattr(spec, k)}" for k in ("block", "draft_vocab_size", "context_layers", "layers_per_head")
+             if spec.kind != "eagle3" and getattr(spec, k) not in (0, 1, "residual")]
+    return f"{spec.kind} heads" + (f" ({', '.join(extra)})" if extra else "")
+
+
 def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force: bool) -> None:
     """Everything that can be refused before loading anything: ExportError / FileNotFoundError with one line."""
     spec = load_spec(heads_dir)  # FileNotFoundError: not a heads directory
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    kind = spec.kind if spec.kind != "chained" or spec.block != "mlp_speculator" else "chained (mlp_speculator)"
-    if spec.kind != FORMATS[fmt]:
-        holds = {"speculators": "eagle3 heads (heads.kind=eagle3)", "eagle3": "eagle3 heads (heads.kind=eagle3)",
-                 "medusa": "parallel heads (heads.kind=parallel)",
-                 "mlp_speculator": "chained heads with heads.block=mlp_speculator"}[fmt]
-        fits = [f for f, k in FORMATS.items() if k == spec.kind]
-        hint = f"export them with --format {fits[0]}" if fits else "retrain with one of those kinds"
-        raise ExportError(f"the {fmt} format holds {holds}, but {heads_dir} holds {kind} heads: {hint}")
-    if fmt == "medusa" and spec.draft_vocab_size:
-        raise ExportError(f"the medusa format scores the full vocabulary, but {heads_dir} has a draft vocabulary of "
-                          f"{spec.draft_vocab_size}: retrain with heads.draft_vocab_size=0")
-    if fmt == "medusa" and spec.context_layers:
-        raise ExportError(f"the medusa format has no context encoder, but {heads_dir} has heads.context_layers="
-                          f"{spec.context_layers}: retrain with heads.context_layers=0")
+    problem = format_problem(spec, fmt)
+    if problem:
+        fits = [f for f in FORMATS if format_problem(spec, f) is None]
+        hint = (f"export them with --format {' or '.join(fits)}" if fits else
+                "no format holds them; heads that export are trained with heads.kind=eagle3 (speculators, eagle3: "
+                "vLLM and SGLang), or heads.kind=parallel heads.draft_vocab_size=0 heads.context_layers=0 (medusa: "
+                "vLLM <= 0.32)")
+        raise ExportError(f"{problem}, but {heads_dir} holds {describe(spec)}: {hint}")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ExportError(f"{out} is a file: name a directory to export into")

@@ -75,6 +75,15 @@ def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> No
             tmp.unlink()
 
 
+def ordinary_modes(directory: Path) -> None:
+    """Give a staged directory and everything in it the permissions ordinary files and folders get: mkdtemp makes
+    the directory 0700 and safetensors writes its files 0600, which would hide exported or prepared models from the
+    other users of a shared machine."""
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, 0o777 & ~_umask() if path.is_dir() else FILE_MODE)
+
+
 def atomic_write_dir(final: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Write the directory `final` through `write(staging)` into a directory beside it, then rename it into place,
     replacing what was there: `final` is always the old directory or the whole new one. A failed `write` leaves
@@ -88,7 +97,7 @@ def atomic_write_dir(final: str | os.PathLike, write: Callable[[Path], object]) 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide it from other users
+    ordinary_modes(staging)
     if final.exists():
         old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
         os.replace(final, old)

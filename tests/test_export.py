@@ -179,13 +179,22 @@ def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
     drafty.save_pretrained(tmp_path / "drafty")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
+    chained = DraftHeads.for_target(target, "chained", 2, target_name=str(root / "target"))
+    chained.save_pretrained(tmp_path / "chained")
+    # every suggestion leads somewhere that works: a format these heads fit, or the recipe keys of heads that export
     cases = [
         ([str(tmp_path / "parallel"), str(tmp_path / "o1"), "--format", "speculators"],
-         r"holds eagle3 heads \(heads.kind=eagle3\), but .* holds parallel heads: export them with --format medusa"),
+         r"the speculators format holds heads trained with heads.kind=eagle3, but .* holds parallel heads: export "
+         r"them with --format medusa$"),
         ([str(root / "heads"), str(tmp_path / "o2"), "--format", "medusa"],
-         "holds eagle3 heads: export them with --format speculators"),
+         "holds eagle3 heads: export them with --format speculators or eagle3$"),
         ([str(root / "heads"), str(tmp_path / "o3"), "--format", "mlp_speculator"], "holds eagle3 heads"),
-        ([str(tmp_path / "drafty"), str(tmp_path / "o4"), "--format", "medusa"], "draft vocabulary of 10"),
+        ([str(tmp_path / "drafty"), str(tmp_path / "o4"), "--format", "medusa"],
+         r"heads.draft_vocab_size=0 .* holds parallel heads \(heads.draft_vocab_size=10\): no format holds them; "
+         r"heads that export are trained with heads.kind=eagle3"),
+        ([str(tmp_path / "chained"), str(tmp_path / "o8"), "--format", "mlp_speculator"],
+         r"holds heads trained with heads.kind=chained heads.block=mlp_speculator .* holds chained heads: no format "
+         r"holds them"),
         ([str(root / "target"), str(tmp_path / "o5"), "--format", "speculators"],
          "is not a draft heads config .* is this a model directory"),
         ([str(tmp_path / "nowhere"), str(tmp_path / "o7"), "--format", "speculators"], "is not a heads directory"),
@@ -244,3 +253,16 @@ def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
     atomic_write_dir(out, lambda d: (d / "c.txt").write_text("new"))
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and sorted(p.name for p in out.iterdir()) == ["c.txt"]
     assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()  # as an ordinary mkdir would make it
+
+
+def test_exported_files_get_ordinary_permissions(eagle3_dir, tmp_path):
+    """safetensors writes its files 0600 and mkdtemp its directories 0700: an export (like the heads themselves) gets
+    what an ordinary new file and folder get, so other users of a shared machine can serve it."""
+    root, _, _ = eagle3_dir
+    plain, folder = tmp_path / "plain.txt", tmp_path / "folder"
+    plain.write_text("x")
+    folder.mkdir()
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == os.stat(folder).st_mode & 0o777
+    for f in (tmp_path / "out").iterdir():
+        assert os.stat(f).st_mode & 0o777 == os.stat(plain).st_mode & 0o777, f
