@@ -55,10 +55,15 @@ def tokenize_chat(messages: list[dict[str, str]], tokenizer, max_length: int,
         before, upto = enc[1 + 2 * j], enc[2 + 2 * j]
         start = len(before)
         if full[:start] != before:
-            raise ChatTemplateError(
-                f"the chat template renders the turns before message {i} differently once later turns are added "
-                "(e.g. it moves the system prompt or adds per-conversation text), so reply spans cannot be found; "
-                "use single-turn rows or another chat template")
+            if not texts[0].startswith(texts[1 + 2 * j]):
+                raise ChatTemplateError(
+                    f"the chat template renders the turns before message {i} differently once later turns are "
+                    "added (e.g. it moves the system prompt or adds per-conversation text), so reply spans cannot "
+                    "be found; use single-turn rows or another chat template")
+            # the text is a prefix, the tokens are not: the reply's first characters merged with the template's
+            # last (a reply opening with "\n" after "assistant\n" makes one "\n\n" token). The reply's span starts
+            # at the first token that differs, which holds the merge: what the target would emit there.
+            start = next((t for t, (a, b) in enumerate(zip(full, before)) if a != b), min(len(full), start))
         if full[: len(upto)] == upto:  # the usual case: this reply renders the same as in the full sequence
             region, stop = upto, len(upto)
         else:

@@ -122,6 +122,39 @@ def test_template_with_unstable_prefix_is_a_clear_error(tok):
         tokenize_chat(CONVS[1], t, 4096)
 
 
+def merging_tokenizer():
+    """The tiny byte-level tokenizer plus one BPE merge, two newlines into one token (as SmolLM2's and Qwen's have)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny import CHATML_TEMPLATE, SPECIAL_TOKENS
+
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(chars)}
+    vocab["ĊĊ"] = len(vocab)
+    for t in SPECIAL_TOKENS:
+        vocab[t] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    t = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>",
+                                additional_special_tokens=["<|im_start|>"])
+    t.chat_template = CHATML_TEMPLATE
+    return t
+
+
+def test_a_reply_that_merges_with_the_template_at_its_start_keeps_its_span():
+    """A reply opening with "\n" after the template's "assistant\n": the two newlines are one token in the
+    conversation, so the generation prompt's tokens are not a prefix of it although its text is. The span starts at
+    the merged token (what the target emits there); such rows are not a template error, and a later turn too."""
+    t = merging_tokenizer()
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nHello"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "\n\nok"}]
+    enc = tokenize_chat(conv, t, 4096)
+    assert t.convert_tokens_to_ids("ĊĊ") in enc["input_ids"]
+    assert [t.decode(s) for s in spans(enc["input_ids"], enc["labels"])] == ["\n\nHello" + EOT, "\n\n\nok" + EOT]
+
+
 def test_conversation_opening_with_assistant(tok):
     conv = [{"role": "assistant", "content": "Hello! Ask me anything."}, {"role": "user", "content": "ok"},
             {"role": "assistant", "content": "Sure."}]
