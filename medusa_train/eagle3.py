@@ -48,22 +48,31 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted({round(1 + i * (num_layers - 1) / max(n - 1, 1)) for i in range(n)})
 
 
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    """config.name, or `default` where it is missing or not one value (a per-layer attribute, as Gemma-4's head_dim,
+    raises on global access: the draft layer then takes the default)."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error has no common base to catch
+        return default
+
+
 def layer_config(target_config: Any) -> dict[str, Any]:
     """The draft layer's LlamaConfig, sized like the target (hidden size, heads, MLP width, rotary, norm eps), as
     the diff dict speculators writes for `transformer_layer_config`."""
     text = text_config(target_config)
     d, heads = text.hidden_size, text.num_attention_heads
     default = {"rope_type": "default", "rope_theta": 10000.0}
-    rope = getattr(text, "rope_parameters", None) or default
+    rope = _field(text, "rope_parameters", None) or default
     if "sliding_attention" in rope or "full_attention" in rope:  # per-layer-type rotary: take the full one
         rope = rope.get("full_attention") or next((v for v in rope.values() if v), None) or default
     cfg = LlamaConfig(
         vocab_size=text.vocab_size, hidden_size=d, num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or d // heads,
-        intermediate_size=getattr(text, "intermediate_size", None) or 4 * d,
-        rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
-        max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
+        num_key_value_heads=_field(text, "num_key_value_heads", None) or heads,
+        head_dim=_field(text, "head_dim", None) or d // heads,
+        intermediate_size=_field(text, "intermediate_size", None) or 4 * d,
+        rms_norm_eps=_field(text, "rms_norm_eps", None) or 1e-6,
+        max_position_embeddings=_field(text, "max_position_embeddings", 2048),
         rope_parameters=dict(rope), num_hidden_layers=1, hidden_act="silu", attention_bias=False, mlp_bias=False,
         tie_word_embeddings=False)
     return cfg.to_diff_dict()
