@@ -481,14 +481,14 @@ def setup(cfg: Config) -> Run:
     accelerator = setup_accelerator(cfg)
     for change in allowed:
         accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
-    if accelerator.is_main_process:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     set_seed(cfg.train.seed)
 
     tokenizer = load_tokenizer(cfg.target)
     with accelerator.main_process_first():  # the datasets cache is written once, then reused
         train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
+    if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
     accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
                       f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
     dropped = info["dropped"] + info["eval_dropped"]

@@ -852,3 +852,15 @@ def test_sigkill_at_a_random_point_then_resume_ends_as_an_uninterrupted_run(ws, 
     result = train(config(ws, f"kill-{seed}", *common))
     assert result.step == 24
     assert max_diff(ref, out) <= 1e-6
+
+
+def test_a_data_error_is_the_first_thing_printed(ws, tmp_path, capsys):
+    """An empty dataset stops with exit code 2 and one line, before the resolved config is printed (it came after a
+    70-line dump of the recipe)."""
+    from medusa_train.cli import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    code = main([str(ws / "base.yaml"), f"output_dir={tmp_path / 'out'}", f"data.dataset={tmp_path / 'empty.jsonl'}"])
+    captured = capsys.readouterr()
+    assert code == 2 and "resolved config" not in captured.out, captured.out
+    assert len(captured.err.strip().splitlines()) == 1 and "empty" in captured.err
