@@ -1,16 +1,25 @@
-"""`python train.py RECIPE [key=value ...] [--dry-run]` (or `accelerate launch train.py ...`).
+"""`python train.py RECIPE [key=value ...] [--dry-run]` (or `accelerate launch train.py ...`, `torchrun ...`).
 
-Exit codes: 0 the run finished (heads saved); 1 the run diverged (non-finite gradients or weights; the last
-checkpoint is kept); 2 bad input (a config, data or target problem: one line
-`error: ...` on stderr; the recipe and the data files are checked before any model is loaded); 75 (EX_TEMPFAIL,
-"try again") a signal stopped the run after it saved a checkpoint: rerun the same command and `resume: auto`
-continues, so a scheduler can requeue on 75 and tell it from a finished run.
+Exit codes of the training process: 0 the run finished (heads saved); 1 the run diverged (non-finite gradients or
+weights, or a loss that exploded; the last good checkpoint is kept); 2 bad input (a config, data or target problem:
+one line `error: ...` on stderr, from the first process only; the recipe and the data files are checked before any
+model is loaded); 75 (EX_TEMPFAIL, "try again") a signal stopped the run after it saved a checkpoint: rerun the same
+command and `resume: auto` continues, so a scheduler can requeue on 75 and tell it from a finished run.
+
+A launcher does not pass these on: `accelerate launch` and `torchrun` exit 1 whenever a process fails (and
+`accelerate launch` prints a CalledProcessError after our line). So the code is also the trainer's last line,
+`train.py: exit code N (...)`, and written to `output_dir/exit_status.json` (main process). Under a launcher the
+process asks the kernel for a SIGTERM when its launcher dies, so a launcher killed alone never leaves it running on
+as an orphan: it saves a checkpoint and stops as on any SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 from .errors import ArgumentParser, TrainingDiverged
@@ -31,11 +40,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MEANINGS = {0: "finished, heads saved", 1: "diverged, the last good checkpoint kept", 2: "bad input, nothing trained",
+            EXIT_STOPPED: "stopped by a signal after saving a checkpoint: rerun to resume"}
+
+
+def under_launcher() -> bool:
+    """Whether a launcher (accelerate launch, torchrun) started this process."""
+    return any(k in os.environ for k in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "LOCAL_RANK",
+                                         "TORCHELASTIC_RUN_ID"))
+
+
+def die_with_launcher() -> None:
+    """Linux: have the kernel send this process SIGTERM when its parent (the launcher) dies, so that SIGTERM to the
+    launcher alone still reaches the trainer, which saves and stops, instead of running on as an orphan."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() == 1:  # the launcher died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def finish(code: int, output_dir: str | None) -> int:
+    """Say the exit code in the last line and in output_dir/exit_status.json (first process only): launchers do not
+    pass it on."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"train.py: exit code {code} ({MEANINGS[code]})", flush=True)
+        if output_dir and Path(output_dir).is_dir():
+            from .files import write_json
+
+            write_json(Path(output_dir) / "exit_status.json", {"code": code, "meaning": MEANINGS[code]})
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 finished, 2 bad input, 75 stopped by a signal: resume)."""
+    """Entry point; returns the exit code (0 finished, 1 diverged, 2 bad input, 75 stopped by a signal: resume)."""
     args = build_parser().parse_args(argv)
+    if under_launcher():
+        die_with_launcher()
+    first = int(os.environ.get("RANK", "0")) == 0
+    output_dir = None
     try:
         cfg = load_config(args.recipe, args.overrides)
+        output_dir = cfg.output_dir
         if args.dry_run:
             from .data import dry_run_report
             from .target import load_tokenizer
@@ -45,14 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import train
 
         if train(cfg).stopped:
-            return EXIT_STOPPED
+            return finish(EXIT_STOPPED, output_dir)
     except ConfigError as e:  # includes DataError and TargetLoadError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if first:  # the same line from every process would only repeat it
+            print(f"error: {e}", file=sys.stderr)
+        return finish(2, output_dir if output_dir and Path(output_dir).is_dir() else None)
     except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        if first:
+            print(f"error: {e}", file=sys.stderr)
+        return finish(1, output_dir)
+    return finish(0, output_dir)
 
 
 if __name__ == "__main__":

@@ -366,6 +366,41 @@ def setup_accelerator(cfg: Config):
     )
 
 
+def launcher_asked_for() -> int | None:
+    """How many processes `accelerate launch` was asked for (its --num_processes flag, else its config file's), when
+    this process runs under it; None when that cannot be read (not Linux, another launcher)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    if not any(a.endswith("accelerate") or a == "launch" for a in argv[:3]):
+        return None
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--num_processes", "--num-processes"):
+            return int(argv[i + 1]) if argv[i + 1].isdigit() else None
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--config_file", "--config-file"):
+            try:
+                n = (yaml.safe_load(Path(argv[i + 1]).read_text()) or {}).get("num_processes")
+            except (OSError, yaml.YAMLError):
+                return None
+            return int(n) if isinstance(n, int) else None
+    return None
+
+
+def say_processes(accelerator) -> None:
+    """How many processes run, on what: the first line of every run. `accelerate launch --cpu --num_processes N` runs
+    one process whatever N is (several CPU processes need its mpirun support, or torchrun): said, with the fix."""
+    backend = getattr(getattr(accelerator, "state", None), "backend", None) or "none"
+    accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}, backend "
+                      f"{backend}, device {accelerator.device.type})")
+    asked = launcher_asked_for() if accelerator.num_processes == 1 else None
+    if asked and asked > 1:
+        accelerator.print(f"warning: accelerate launch was asked for {asked} processes but started 1: on CPUs it "
+                          "starts several only through mpirun; use torchrun --nproc_per_node "
+                          f"{asked} train.py ... for {asked} CPU processes")
+
+
 def setup_tracking(accelerator, cfg: Config) -> None:
     """Start the W&B tracker (offline when there is neither WANDB_API_KEY nor WANDB_MODE)."""
     if cfg.tracking.backend != "wandb":
@@ -479,6 +514,7 @@ def setup(cfg: Config) -> Run:
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     check_before_loading(cfg)
     accelerator = setup_accelerator(cfg)
+    say_processes(accelerator)
     for change in allowed:
         accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
     set_seed(cfg.train.seed)

@@ -1,0 +1,104 @@
+"""The README's commands as users run them, under real launchers: `accelerate launch` and `torchrun`. What the
+launcher returns is its own (1 whenever a process fails); the trainer's code is its last line and
+`output_dir/exit_status.json`; an error is said once, not once per process; a launcher killed alone never leaves the
+trainer running as an orphan; a run says how many processes it has."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runs import ROOT, torchrun_train, write_text_data
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    from tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("launch")
+    save_tiny(root / "model", "llama")
+    write_text_data(root / "text.jsonl")
+    (root / "base.yaml").write_text(
+        f"target: {{model: {root / 'model'}}}\n"
+        "heads: {num_heads: 2}\n"
+        f"data: {{dataset: {root / 'text.jsonl'}, format: text, max_length: 24, eval_size: 4}}\n"
+        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 2, log_every: 1, seed: 0}\n"
+        "eval: {every: 0, max_batches: 1}\n")
+    return root
+
+
+def accelerate(*args: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", *args]
+
+
+ENV = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_bad_input_under_accelerate_launch(ws, tmp_path):
+    """One `error:` line from the trainer, its code in its last line (the launcher itself returns 1)."""
+    proc = subprocess.run(accelerate("--num_processes", "1", str(ROOT / "train.py"), str(ws / "base.yaml"),
+                                     "train.lr=-1", f"output_dir={tmp_path / 'out'}"),
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train.lr must be > 0, got -1.0"], proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "train.py: exit code 2 (bad input, nothing trained)"
+
+
+def test_bad_input_under_torchrun_is_said_once(ws, tmp_path):
+    proc = torchrun_train([str(ws / "base.yaml"), "train.lr=-1"], tmp_path / "out")
+    assert proc.returncode != 0
+    assert sum(line.startswith("error:") for line in proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stdout.count("train.py: exit code 2") == 1
+
+
+def test_processes_are_said_and_a_cpu_launch_asking_for_two_is_warned(ws, tmp_path):
+    proc = subprocess.run(accelerate("--num_processes", "2", str(ROOT / "train.py"), str(ws / "base.yaml"),
+                                     "train.max_steps=2", f"output_dir={tmp_path / 'out'}"),
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "processes: 1 (NO, backend none, device cpu)" in proc.stdout
+    assert ("warning: accelerate launch was asked for 2 processes but started 1: on CPUs it starts several only "
+            "through mpirun; use torchrun --nproc_per_node 2") in proc.stdout
+    assert json.loads((tmp_path / "out" / "exit_status.json").read_text())["code"] == 0
+    two = torchrun_train([str(ws / "base.yaml"), "train.max_steps=1"], tmp_path / "two")
+    assert two.returncode == 0 and "processes: 2 (MULTI_CPU, backend gloo, device cpu)" in two.stdout
+
+
+def test_sigterm_to_the_launcher_alone_stops_the_trainer_with_a_checkpoint(ws, tmp_path):
+    """The launcher gets SIGTERM and dies (143); the trainer, told by the kernel that its parent died, saves a
+    checkpoint and stops with 75 instead of running on as an orphan; `resume: auto` then continues from it."""
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(accelerate("--num_processes", "1", str(ROOT / "train.py"), str(ws / "base.yaml"),
+                                           "train.max_steps=1000000", "train.save_every=0", f"output_dir={out}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and "train/loss" in metrics.read_text()):  # the loop is running
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        trainer = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        assert len(trainer) == 1
+        launcher.send_signal(signal.SIGTERM)  # the launcher alone, as a scheduler that signals one PID does
+        launcher.communicate(timeout=30)
+        assert launcher.returncode != 0
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{trainer[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{trainer[0]}").exists(), "the trainer runs on as an orphan"
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
+    assert json.loads((out / "exit_status.json").read_text())["code"] == 75
+    assert list((out / "checkpoints").glob("step-*"))
+    shutil.rmtree(out / "wandb", ignore_errors=True)
