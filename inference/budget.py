@@ -10,10 +10,16 @@ of verify.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform as host
+import sys
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +34,7 @@ LENGTHS_GPU = (1, 2, 4, 8, 16, 32, 64, 96)
 PREFIX = 128  # prefix length the verify timings are taken at
 # target -> {rows: seconds}: separate measurements differ by machine noise, so generators share one
 _VERIFY_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TIMING_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its key in the timings file
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,18 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
     them all alike) and shared; `forget_verify_seconds` measures again. `limit`: the target's context.
     `static`: a `StaticVerifier` (a compiled generator's): its compiled verify is timed instead, at the row
     counts it runs (`inference.compiled.BUCKETS`) up to the longest of `platform.lengths`, and kept with it."""
-    times = _VERIFY_SECONDS.get(static if static is not None else target)
+    owner = static if static is not None else target
+    times = _VERIFY_SECONDS.get(owner)
     if times is not None:
         return times
+    key = _TIMING_KEYS.setdefault(owner, timing_key(target, platform, limit, static))
+    times = read_timings(key)
+    if times is not None:
+        _VERIFY_SECONDS[owner] = times
+        return times
+    print(f"timing the target's verify forward once for this model shape, dtype and machine ({len(platform.lengths)} "
+          f"tree sizes; kept in {timings_file()}; a fixed tree_budget / --tree-budget N skips it)", file=sys.stderr,
+          flush=True)
     lengths = platform.lengths
     if static is not None:
         from inference.compiled import BUCKETS
@@ -102,8 +118,82 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
     running = 0.0
     for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
         running = times[n] = max(times[n], running)
-    _VERIFY_SECONDS[static if static is not None else target] = times
+    _VERIFY_SECONDS[owner] = times
+    write_timings(key, times)
     return times
+
+
+def timings_file() -> Path | None:
+    """Where verify timings are kept between processes: `$MEDUSA_TRAIN_TIMINGS` (`off`: nowhere), else
+    `timings.json` in the project's cache (`$MEDUSA_TRAIN_CACHE` or ~/.cache/medusa-train)."""
+    where = os.environ.get("MEDUSA_TRAIN_TIMINGS")
+    if where == "off":
+        return None
+    if where:
+        return Path(os.path.expanduser(where))
+    from medusa_train.prepare import cache_root
+
+    return cache_root() / "timings.json"
+
+
+def timing_key(target: nn.Module, platform: Platform, limit: int | None, static=None) -> str:
+    """What a verify's time depends on: the model's shape (its config, not its weights), dtype, device and kernels,
+    the compiled path, the row counts timed, and the machine (processor, threads, torch). Any change: a new key."""
+    from inference.kernels import uses_onednn_linear
+
+    config = target.config.to_dict()
+    config.pop("_name_or_path", None)
+    weight = target.get_output_embeddings().weight
+    if weight.device.type == "cuda":
+        where = torch.cuda.get_device_name(weight.device)
+    else:
+        where = host.processor() or host.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                where = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    parts = {"config": config, "dtype": str(weight.dtype), "device": weight.device.type, "where": where,
+             "threads": torch.get_num_threads(), "torch": torch.__version__, "onednn": uses_onednn_linear(target),
+             "static": None if static is None else type(static).__name__, "lengths": list(platform.lengths),
+             "limit": limit, "prefix": PREFIX}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def read_timings(key: str) -> dict[int, float] | None:
+    path = timings_file()
+    try:
+        entry = json.loads(path.read_text())[key] if path is not None else None
+        return {int(n): float(t) for n, t in entry.items()} if entry else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or damaged: measure again
+        return None
+
+
+def _update_timings(key: str, times: dict[int, float] | None) -> None:
+    from medusa_train.files import atomic_write_text
+
+    path = timings_file()
+    if path is None:
+        return
+    try:
+        data = json.loads(path.read_text())
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    if times is None:
+        data.pop(key, None)
+    else:
+        data[key] = {str(n): t for n, t in times.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+    except OSError:  # a read-only cache costs a timing per process, nothing more
+        pass
+
+
+def write_timings(key: str, times: dict[int, float]) -> None:
+    """Keep `times` under `key` in the timings file (atomically; other keys kept)."""
+    _update_timings(key, times)
 
 
 def _chain(tokens: torch.Tensor):
@@ -113,7 +203,11 @@ def _chain(tokens: torch.Tensor):
 
 
 def forget_verify_seconds(target: nn.Module) -> None:
+    """Drop the timings of `target` (or a StaticVerifier), here and in the timings file: the next use measures."""
     _VERIFY_SECONDS.pop(target, None)
+    key = _TIMING_KEYS.pop(target, None)
+    if key is not None:
+        _update_timings(key, None)
 
 
 def verify_costs(times: dict[int, float], padded: bool = False) -> list[float]:

@@ -27,3 +27,12 @@ def own_datasets_cache(tmp_path_factory):
         mp.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         mp.setenv("HF_DATASETS_CACHE", str(cache))  # and in the subprocesses the CLI tests start
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_timings_file(tmp_path_factory):
+    """Verify timings kept between processes (`inference.budget.timings_file`) go to a file of the suite's own, never
+    the user's: tests of one tiny shape share it, and the user's timings stay what their machine measured."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEDUSA_TRAIN_TIMINGS", str(tmp_path_factory.mktemp("timings") / "timings.json"))
+        yield

@@ -260,3 +260,32 @@ def test_cli_checks_every_argument_before_loading_a_model(heads_dir, capsys, mon
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_verify_timings_are_kept_between_processes_and_remeasured_when_the_key_changes(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Timed once per model shape, dtype and machine, said when it happens, kept in the timings file: a second
+    process (here: the in-memory timings forgotten) reads them instead of timing again; another dtype, or a
+    remeasure, times again."""
+    import inference.budget as budget_timing
+
+    monkeypatch.setenv("MEDUSA_TRAIN_TIMINGS", str(tmp_path / "timings.json"))
+    model = float64_model("llama", seed=4)
+    times = SpeculativeGenerator(model, None, NGramDrafter()).verify_seconds()
+    assert "timing the target's verify forward once" in capsys.readouterr().err
+    budget_timing._VERIFY_SECONDS.clear()  # as a new process starts
+    budget_timing._TIMING_KEYS.clear()
+    same_shape = float64_model("llama", seed=5)
+    again = SpeculativeGenerator(same_shape, None, NGramDrafter()).verify_seconds()
+    assert again == times and capsys.readouterr().err == ""
+    other = SpeculativeGenerator(float64_model("llama", seed=5).float(), None, NGramDrafter())
+    other.verify_seconds()
+    assert "timing the target's verify forward once" in capsys.readouterr().err
+    gen = SpeculativeGenerator(same_shape, None, NGramDrafter())
+    gen.remeasure_verify_seconds()
+    budget_timing._VERIFY_SECONDS.clear()
+    gen.verify_seconds()
+    assert "timing the target's verify forward once" in capsys.readouterr().err
+    (tmp_path / "timings.json").write_text("{damaged")
+    budget_timing._VERIFY_SECONDS.clear()
+    assert SpeculativeGenerator(same_shape, None, NGramDrafter()).verify_seconds()  # measured again, not a crash
