@@ -31,10 +31,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
@@ -278,6 +279,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    settings = generation_settings(max_new_tokens, temperature, top_p)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     ids = render_prompts(tokenizer, prompts)
@@ -310,7 +312,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
             for i, (text, finish, n_new) in zip(batch, replies):
                 row = {"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
                                                       {"role": "assistant", "content": text}],
-                       "finish": finish}
+                       "finish": finish, "generation": settings}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 written += 1
             f.flush()  # a crash loses at most the batch in flight
@@ -320,6 +322,26 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
             "too_long": too_long}
+
+
+def generation_settings(max_new_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
+    """What each row records of how its reply was made: a rerun with other settings must not mix its rows in."""
+    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+
+
+def check_same_settings(out: Path, settings: dict[str, Any]) -> None:
+    """ConfigError (before any model loads) when `out` or its parts hold rows made with other settings: one file
+    of replies cut at 64 and 256 tokens, or greedy and sampled, would train heads on a mix nobody asked for. Rows
+    of files written before rows recorded their settings are taken as they are."""
+    flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p"}
+    for f in [out, *_parts(out)]:
+        for row in _rows(f):
+            had = row.get("generation")
+            if isinstance(had, dict) and any(had.get(k) != v for k, v in settings.items()):
+                diff = ", ".join(f"{flags[k]} {had.get(k)} (this run: {v})" for k, v in settings.items()
+                                 if had.get(k) != v)
+                raise ConfigError(f"--out {out} holds rows made with {diff}: rerun with the same settings to "
+                                  "continue it, or write to another --out")
 
 
 def hash_id(text: str) -> int:
@@ -374,13 +396,19 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prompts: file not found: {args.prompts} (or use --prompts default)")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; exit code 2 on bad input, before any model is loaded."""
+    """CLI entry point; exit code 2 on bad input, before any model is loaded; 75 when Ctrl-C or SIGTERM stopped it
+    (what was written stays: rerun to continue)."""
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
         # Only the target matters here; the recipe's data.dataset is usually the file we are about to write.
         cfg = load_config(args.recipe, list(args.overrides) + ["data.dataset=distill-prompts"])
+        check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p))
         prompts = load_prompts(args.prompts)
         n_pool = len(prompts)
         if args.exclude:
@@ -397,17 +425,26 @@ def main(argv: list[str] | None = None) -> int:
     say = accelerator.print
     say(f"[distill] {len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded); "
         f"target {cfg.target.model}; {accelerator.num_processes} process(es)")
-    model, tokenizer = load_target(cfg.target, device=accelerator.device)
     out = Path(args.out)
-    if accelerator.is_main_process and _parts(out):
-        merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
-    accelerator.wait_for_everyone()
-    before = len(_ids_in(out))
-    counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size, limit=args.limit,
-                     order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                     rank=accelerator.process_index, world_size=accelerator.num_processes,
-                     progress=accelerator.is_main_process)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop, like Ctrl-C
+    try:
+        model, tokenizer = load_target(cfg.target, device=accelerator.device)
+        if accelerator.is_main_process and _parts(out):
+            merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
+        accelerator.wait_for_everyone()
+        before = len(_ids_in(out))
+        counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size, limit=args.limit,
+                         order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                         rank=accelerator.process_index, world_size=accelerator.num_processes,
+                         progress=accelerator.is_main_process)
+    except KeyboardInterrupt:  # every finished batch is on disk (fsynced): say so, no traceback
+        if accelerator.is_main_process:
+            print(f"\n[distill] stopped: {out} and its parts hold {len(read_done(out)[0])} rows; rerun the same "
+                  "command to continue", file=sys.stderr, flush=True)
+        return 75
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if accelerator.num_processes > 1:

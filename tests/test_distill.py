@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 from medusa_train import distill as D
@@ -190,3 +192,57 @@ def test_rows_with_unicode_line_separators_stay_whole(tmp_path):
     assert bench.bigram_texts(str(out)) == [reply, reply]
     loaded = _load_json_by_hand([str(out)], "d", ValueError("not a datasets file"))
     assert [r["messages"][1]["content"] for r in loaded] == [reply, reply]
+
+
+def test_a_rerun_with_other_settings_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """Rows record how their reply was made; a rerun into the same --out with another --max-new-tokens (or
+    temperature) would mix replies of both lengths in one file: one line, exit 2, before the model loads."""
+    save_tiny(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "x", "prompt": "hello"}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n")
+    out = tmp_path / "o.jsonl"
+    base = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
+    assert D.main(base + ["--max-new-tokens", "3"]) == 0
+    assert rows(out)[0]["generation"] == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0}
+    import medusa_train.target as target
+
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    assert D.main(base + ["--max-new-tokens", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --out {out} holds rows made with --max-new-tokens 3 (this run: 5): rerun with the same "
+                   "settings to continue it, or write to another --out")
+
+
+def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, monkeypatch):
+    """A real SIGINT in the middle of the job: the finished batches stay, one line says so, exit 75; the rerun
+    continues where it stopped and ends with every prompt answered once."""
+    import os
+    import signal
+
+    save_tiny(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": f"prompt {i}"})
+                                                for i in range(6)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n")
+    out = tmp_path / "o.jsonl"
+    argv = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "2",
+            "--batch-size", "2"]
+    real = D.generate_replies
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(D, "generate_replies", interrupted)
+    assert D.main(argv) == 75
+    err = capsys.readouterr().err
+    assert "[distill] stopped:" in err and "rerun the same command to continue" in err and "Traceback" not in err
+    assert len(rows(out)) == 2  # the first batch; the second was cut
+    monkeypatch.setattr(D, "generate_replies", real)
+    assert D.main(argv) == 0
+    assert sorted(r["id"] for r in rows(out)) == [f"q{i}" for i in range(6)]
