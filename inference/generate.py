@@ -277,7 +277,8 @@ class SpeculativeGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from medusa_train.heads import load_spec
-        from medusa_train.target import default_device, merge_recorded_adapter, resolve_dtype
+        from medusa_train.target import (check_hub_reachable, default_device, merge_recorded_adapter,
+                                         resolve_dtype)
 
         spec = load_spec(heads_dir)  # FileNotFoundError first if it is not a heads directory
         if isinstance(target, nn.Module):
@@ -287,6 +288,7 @@ class SpeculativeGenerator:
             name = str(target) if target is not None else spec.target_name
             if not name:
                 raise ValueError(f"{heads_dir}/config.json names no target model: pass target=PATH")
+            check_hub_reachable(name, "target")
             dev = default_device(device)
             if not isinstance(dtype, torch.dtype):
                 dtype = resolve_dtype(dtype or "auto", dev)

@@ -53,6 +53,33 @@ def _load_error(cfg: TargetConfig, what: str, e: Exception) -> TargetLoadError:
     return TargetLoadError(f"target.model: cannot load the {what} of {cfg.model!r} ({first}); {fix}")
 
 
+def check_hub_reachable(name: str, key: str = "target.model") -> None:
+    """Fail at once, in one line, for a hub name that is neither a local directory nor in the Hugging Face cache
+    when the hub cannot be reached: transformers would retry for about 90 s before saying so. Reads HF_ENDPOINT; does
+    nothing with HF_HUB_OFFLINE=1 (transformers then fails at once itself)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if Path(os.path.expanduser(name)).exists() or os.environ.get("HF_HUB_OFFLINE") == "1" or name.count("/") > 1:
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - not a repo id: the load says what is wrong with it
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError as e:
+        raise TargetLoadError(f"{key}={name!r} is not a local directory nor in the Hugging Face cache, and the hub "
+                              f"({endpoint}) cannot be reached from this machine ({e.strerror or type(e).__name__}): "
+                              f"download it where there is a network (`hf download {name}`) and copy the cache, or "
+                              f"set {key} to a local directory") from None
+
+
 def _common_kwargs(cfg: TargetConfig) -> dict:
     kw: dict = {"trust_remote_code": cfg.trust_remote_code}
     if cfg.gguf_file:
@@ -64,6 +91,7 @@ def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (cheap: used first, so data errors surface before the model loads)."""
     from transformers import AutoTokenizer
 
+    check_hub_reachable(cfg.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **_common_kwargs(cfg))
     except (OSError, ValueError) as e:
@@ -85,6 +113,7 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
     """
     from transformers import AutoModelForCausalLM
 
+    check_hub_reachable(cfg.model)
     kw = _common_kwargs(cfg) | {"dtype": dtype or resolve_dtype(cfg.dtype, device)}
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation

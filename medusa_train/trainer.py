@@ -42,7 +42,8 @@ from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
 from .joint import JointObjective, add_lora, held_out_lm_kl, save_adapter
 from .losses import STATS, HeadsObjective, summarize
-from .target import decoder_layers, load_model, load_tokenizer, logit_transform, text_config, unsupported_reason
+from .target import (check_hub_reachable, decoder_layers, load_model, load_tokenizer, logit_transform, text_config,
+                     unsupported_reason)
 from .target_states import TargetStates
 
 CHECKPOINTS = "checkpoints"
@@ -619,6 +620,7 @@ def target_config(cfg: Config):
     then say why)."""
     from transformers import AutoConfig
 
+    check_hub_reachable(cfg.target.model)  # else an unreachable hub costs ~90 s of retries here, and again later
     kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
     try:
         return AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)

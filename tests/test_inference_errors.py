@@ -10,7 +10,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from inference import (ContextLengthError, HeadsDrafter, NGramDrafter, SpeculativeGenerator,
                        UnsupportedModelError)
-from medusa_train.heads import HeadsMismatchError
+from medusa_train.heads import DraftHeads, HeadsMismatchError
 
 
 
@@ -134,3 +134,28 @@ def test_sliding_window_shorter_than_the_request_is_refused():
     with pytest.raises(ContextLengthError, match="64 tokens"):
         gen.generate(torch.zeros(1, 50, dtype=torch.long), max_new_tokens=20)
     assert len(gen.generate(torch.zeros(1, 50, dtype=torch.long), max_new_tokens=10, eos_token_id=[]).token_ids) == 10
+
+
+def test_an_unreachable_hub_fails_at_once_in_one_line(tmp_path, monkeypatch):
+    """A hub name that is not a local directory nor cached, with the hub unreachable (HF_ENDPOINT on a closed port of
+    this machine): one line naming the key and the fix, before transformers tries (it retried for ~90 s)."""
+    import transformers
+
+    from medusa_train.config import ConfigError, load_config
+    from medusa_train.trainer import train
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n')
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", lambda *a, **k: pytest.fail("transformers was asked"))
+    with pytest.raises(ConfigError, match=r"^target.model='someone/no-such-model' is not a local directory nor in "
+                                          r"the Hugging Face cache, and the hub \(http://127.0.0.1:9\) cannot be "
+                                          r"reached .*hf download someone/no-such-model"):
+        train(load_config(None, ["target.model=someone/no-such-model", f"output_dir={tmp_path / 'out'}",
+                                 f"data.dataset={tmp_path / 'd.jsonl'}"], world_size=1))
+    heads = tmp_path / "heads"
+    DraftHeads.for_target(tiny_model("llama"), "chained", 2, target_name="someone/no-such-model").save_pretrained(heads)
+    with pytest.raises(ValueError, match=r"^target='someone/no-such-model' is not a local directory"):
+        SpeculativeGenerator.from_pretrained(heads)
