@@ -31,7 +31,7 @@ from torch import nn
 from inference.kernels import undo_onednn_linear
 from inference.kv import cache_kwargs, new_static_cache, set_static_length
 from inference.tree import Tree
-from medusa_train.target import final_logits, hidden_with_layers
+from medusa_train.target import decoder, final_logits, hidden_with_layers
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # verify row counts compiled for (a tree is padded to the next)
 CAPACITY_STEP = 256  # cache capacity is reserved in multiples of this (each new capacity compiles again)
@@ -79,7 +79,7 @@ class StaticVerifier:
             mode = "reduce-overhead"
         self.cache = None
         self.capacity = 0
-        (self._cache_key,) = cache_kwargs(model.base_model, None)  # decided here, not inside the compiled region
+        (self._cache_key,) = cache_kwargs(decoder(model), None)  # decided here, not inside the compiled region
         # the prefix length as a device scalar, set with fill_ (a kernel argument: no host-to-device copy to wait
         # for), so a new length is new data for the compiled function, not a new graph
         self._prefix = torch.zeros((), dtype=torch.long, device=self.device)

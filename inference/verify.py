@@ -26,7 +26,7 @@ from torch import nn
 from inference.kernels import tree_attention
 from inference.kv import cache_kwargs, cache_length
 from inference.tree import Tree, tree_attention_mask, tree_position_ids
-from medusa_train.target import final_logits, hidden_with_layers
+from medusa_train.target import decoder, final_logits, hidden_with_layers
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta)
@@ -37,7 +37,7 @@ def target_forward(model: nn.Module, input_ids: torch.Tensor, cache, attention_m
     """The target's final post-norm hidden states h: [1, T, d], appending T entries to `cache`; with `layers` (a
     drafter's `target_layers`), the states at those layers follow h: [1, T, (1 + len(layers)) d]."""
     return hidden_with_layers(model, layers, input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, use_cache=True, **cache_kwargs(model.base_model, cache))
+                              position_ids=position_ids, use_cache=True, **cache_kwargs(decoder(model), cache))
 
 
 def verify_tree(model: nn.Module, cache, tree: Tree, layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:

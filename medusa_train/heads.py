@@ -114,7 +114,9 @@ def output_signature(target: nn.Module, n: int = 8) -> list[float]:
     vocab, d = weight.shape
     ids = ((torch.arange(16) * 7919 + 13) % vocab).to(weight.device)[None]
     base = target.get_base_model() if hasattr(target, "get_base_model") else target
-    h = base.base_model(input_ids=ids).last_hidden_state[0, -n:].to("cpu", torch.float64)
+    from .target import decoder
+
+    h = decoder(base)(input_ids=ids).last_hidden_state[0, -n:].to("cpu", torch.float64)
     h = h / h.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return [round(float(c), 6) for c in (h * _probe_directions(d, n)).sum(dim=1)]
 
@@ -417,7 +419,9 @@ class DraftHeads(nn.Module):
             if kind == "eagle3":  # its LM head starts as the target's rows, its norm as the target's final norm
                 rows = out.float() if draft_ids is None else out.float()[draft_ids.to(out.device)]
                 heads.eagle3.lm_head.weight.copy_(rows)
-                norm = getattr(target.base_model, "norm", None)
+                from .target import decoder
+
+                norm = getattr(decoder(target), "norm", None)
                 if isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == (emb.shape[1],):
                     heads.eagle3.norm.weight.copy_(norm.weight.float())
             if heads.embed is not None:

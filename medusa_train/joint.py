@@ -31,7 +31,7 @@ from .config import ConfigError, LoraSettings, LossConfig
 from .files import atomic_write_dir
 from .heads import DraftHeads, output_signature
 from .losses import IGNORE, FusedHeadLoss, chunk_positions, chunked_head_losses, greedy_tokens, shift_left
-from .target import LogitTransform, hidden_with_layers, logit_transform, peft_quietly
+from .target import LogitTransform, decoder, hidden_with_layers, logit_transform, peft_quietly
 
 ADAPTER_DIR = "adapter"
 
@@ -139,7 +139,7 @@ class JointObjective(nn.Module):
             h = hidden_with_layers(model, self.heads.spec.aux_layers, **kw)
         if joint and self.cfg.lm_weight > 0:
             with torch.no_grad(), self.peft.disable_adapter(), record_function("joint: original forward"):
-                h_original = model.base_model(**kw).last_hidden_state
+                h_original = decoder(model)(**kw).last_hidden_state
             with record_function("joint: KL to the original"):
                 lm_loss, kl[0], greedy = lm_kl(h[..., :d], h_original, lm_head, valid, self.cfg.lm_weight,
                                                self.cfg.chunk_size, transform)
@@ -164,9 +164,9 @@ def held_out_lm_kl(peft_model: nn.Module, batches, max_batches: int, chunk_size:
         if max_batches and i >= max_batches:
             break
         kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        h = model.base_model(**kw).last_hidden_state
+        h = decoder(model)(**kw).last_hidden_state
         with peft_model.disable_adapter():
-            h_original = model.base_model(**kw).last_hidden_state
+            h_original = decoder(model)(**kw).last_hidden_state
         valid = next_token_supervised(batch["labels"], batch["attention_mask"])
         _, kl, _ = lm_kl(h, h_original, lm_head, valid, 1.0, chunk_size, logit_transform(model.config))
         both = torch.stack([kl, valid.sum().float()])

@@ -271,12 +271,25 @@ def final_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return logits if transform.identity else transform(logits)
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder, whose output is h (`last_hidden_state`): its `base_model`, or where a model's
+    `base_model_prefix` names no attribute of its own (Llama-4's text model says "language_model" and keeps it in
+    `model`), the child that holds it."""
+    base = model.base_model
+    if base is model:
+        for name in ("model", "transformer", "language_model", "decoder"):
+            child = getattr(model, name, None)
+            if isinstance(child, nn.Module):
+                return child
+    return base
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's stack of decoder layers (the base model's ModuleList with one entry per hidden layer)."""
     config = text_config(model.config)
     n = getattr(config, "num_hidden_layers", None)
     # the shallowest ModuleList of that length (OPT keeps it in model.decoder.layers, most in model.layers)
-    found = [(name.count("."), not name.endswith("layers"), name, m) for name, m in model.base_model.named_modules()
+    found = [(name.count("."), not name.endswith("layers"), name, m) for name, m in decoder(model).named_modules()
              if isinstance(m, nn.ModuleList) and len(m) == n]
     if found:
         return min(found, key=lambda f: f[:3])[3]
@@ -334,7 +347,7 @@ def hidden_with_layers(model: nn.Module, layers: Sequence[int], **forward_kwargs
     `layers` (`capture_layers`) when there are any: the one forward behind training's `target_hidden` and the
     engine's `inference.verify.target_forward`."""
     if not layers:
-        return model.base_model(**forward_kwargs).last_hidden_state
+        return decoder(model)(**forward_kwargs).last_hidden_state
     with capture_layers(model, layers) as states:
-        h = model.base_model(**forward_kwargs).last_hidden_state
+        h = decoder(model)(**forward_kwargs).last_hidden_state
     return torch.cat([h, *states], dim=-1)
