@@ -34,7 +34,7 @@ from inference.verify import (accept_greedy, accept_lossless, accept_typical, sa
                               target_probs, verify_tree)
 from medusa_train.chat import render_prompt
 from medusa_train.errors import ArgumentParser
-from medusa_train.target import eos_ids, final_logits, text_config, unsupported_reason
+from medusa_train.target import decoder, eos_ids, final_logits, text_config, unsupported_reason
 
 Acceptance = Literal["exact", "typical"]
 
@@ -214,10 +214,19 @@ def check_tree_attention(model: nn.Module) -> None:
     tol = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
     err = (got.float() - want).abs().max().item()
     if not err <= tol * (1 + want.abs().max().item()):
-        raise UnsupportedModelError(
-            f"{model_type}: tree verification self-check failed (logits off by {err:.3g}): its forward does not "
-            f"honour a custom 4D attention mask and position_ids, or post-processes its logits; this "
-            f"architecture is not supported")
+        # which cause: the final logits of a plain forward, recomputed from its hidden states, tell them apart
+        with torch.inference_mode():
+            ids = torch.cat([prompt, torch.tensor([r], device=device)])[None]
+            own = model(input_ids=ids).logits[0, -1].float()
+            ours = final_logits(model, decoder(model)(input_ids=ids).last_hidden_state[0, -1]).float()
+        off = (own - ours).abs().max().item()
+        post_processed = not off <= tol * (1 + own.abs().max().item())
+        cause = (f"its logits are not its output layer (and the transform its config declares) applied to its "
+                 f"final hidden states: the forward post-processes them (off by {off:.3g})" if post_processed else
+                 f"its forward does not honour a custom 4D attention mask and position ids (tree logits off by "
+                 f"{err:.3g})")
+        raise UnsupportedModelError(f"{model_type}: tree verification self-check failed: {cause}; this architecture "
+                                    "is not supported")
 
 
 # ---------------------------------------------------------------------------------------------------

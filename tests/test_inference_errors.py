@@ -123,7 +123,8 @@ def test_model_that_post_processes_logits_in_an_unknown_way_is_refused():
 
     torch.manual_seed(0)
     model = Shifted(tiny_model("llama").config).eval()
-    with pytest.raises(UnsupportedModelError, match="llama: tree verification self-check failed") as e:
+    with pytest.raises(UnsupportedModelError, match="llama: tree verification self-check failed: its logits are "
+                                                    "not its output layer") as e:
         SpeculativeGenerator(model, None, NGramDrafter())
     assert "\n" not in str(e.value)
 
@@ -159,3 +160,15 @@ def test_an_unreachable_hub_fails_at_once_in_one_line(tmp_path, monkeypatch):
     DraftHeads.for_target(tiny_model("llama"), "chained", 2, target_name="someone/no-such-model").save_pretrained(heads)
     with pytest.raises(ValueError, match=r"^target='someone/no-such-model' is not a local directory"):
         SpeculativeGenerator.from_pretrained(heads)
+
+
+def test_a_forward_that_ignores_the_tree_mask_is_refused_naming_that_cause():
+    """The self-check tells its two causes apart: a decoder that drops the attention mask (every tree node then sees
+    the nodes before it, siblings included) is refused for the mask, not for its logits."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    inner = model.model.forward
+    model.model.forward = lambda *args, attention_mask=None, **kwargs: inner(*args, **kwargs)
+    with pytest.raises(UnsupportedModelError, match="llama: tree verification self-check failed: its forward does "
+                                                    "not honour a custom 4D attention mask and position ids"):
+        SpeculativeGenerator(model, None, NGramDrafter())
