@@ -44,10 +44,17 @@ MEANINGS = {0: "finished, heads saved", 1: "diverged, the last good checkpoint k
             EXIT_STOPPED: "stopped by a signal after saving a checkpoint: rerun to resume"}
 
 
-def under_launcher() -> bool:
-    """Whether a launcher (accelerate launch, torchrun) started this process."""
-    return any(k in os.environ for k in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "LOCAL_RANK",
-                                         "TORCHELASTIC_RUN_ID"))
+def launcher_argv() -> list[str] | None:
+    """The command line of the launcher that started this process (`accelerate launch`, `torchrun`, `python -m
+    torch.distributed.run`), read from /proc; None when the parent is something else (a shell, nohup) or on a
+    system without /proc."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    head = " ".join(argv[:4])
+    launched = any(w in head for w in ("accelerate", "torchrun", "torch.distributed.run", "torch/distributed/run"))
+    return argv if launched else None
 
 
 def die_with_launcher() -> None:
@@ -79,7 +86,7 @@ def finish(code: int, output_dir: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 finished, 1 diverged, 2 bad input, 75 stopped by a signal: resume)."""
     args = build_parser().parse_args(argv)
-    if under_launcher():
+    if launcher_argv() is not None:
         die_with_launcher()
     first = int(os.environ.get("RANK", "0")) == 0
     output_dir = None

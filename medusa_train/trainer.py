@@ -370,11 +370,10 @@ def setup_accelerator(cfg: Config):
 def launcher_asked_for() -> int | None:
     """How many processes `accelerate launch` was asked for (its --num_processes flag, else its config file's), when
     this process runs under it; None when that cannot be read (not Linux, another launcher)."""
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return None
-    if not any(a.endswith("accelerate") or a == "launch" for a in argv[:3]):
+    from .cli import launcher_argv
+
+    argv = launcher_argv()
+    if argv is None or "launch" not in argv[:4]:
         return None
     for i, a in enumerate(argv[:-1]):
         if a in ("--num_processes", "--num-processes"):
