@@ -76,8 +76,8 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
     times = _VERIFY_SECONDS.get(owner)
     if times is not None:
         return times
-    key = _TIMING_KEYS.setdefault(owner, timing_key(target, platform, limit, static))
-    times = read_timings(key)
+    key = verify_key(target, platform, limit, static)
+    times = _verify_entry(key)
     if times is not None:
         _VERIFY_SECONDS[owner] = times
         return times
@@ -119,7 +119,7 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
     for n in lengths:  # a longer forward never costs less; smooth out noise that says otherwise
         running = times[n] = max(times[n], running)
     _VERIFY_SECONDS[owner] = times
-    write_timings(key, times)
+    write_timings(key, {str(n): t for n, t in times.items()})
     return times
 
 
@@ -134,6 +134,15 @@ def timings_file() -> Path | None:
     from medusa_train.prepare import cache_root
 
     return cache_root() / "timings.json"
+
+
+def verify_key(target: nn.Module, platform: Platform, limit: int | None, static=None) -> str:
+    """The key of `target`'s verify timings in the timings file (computed once per target or StaticVerifier)."""
+    owner = static if static is not None else target
+    key = _TIMING_KEYS.get(owner)
+    if key is None:
+        key = _TIMING_KEYS[owner] = timing_key(target, platform, limit, static)
+    return key
 
 
 def timing_key(target: nn.Module, platform: Platform, limit: int | None, static=None) -> str:
@@ -160,16 +169,18 @@ def timing_key(target: nn.Module, platform: Platform, limit: int | None, static=
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def read_timings(key: str) -> dict[int, float] | None:
+def read_timings(key: str):
+    """The value kept under `key` in the timings file, or None (none kept, or the file is missing or damaged: the
+    caller measures again)."""
     path = timings_file()
     try:
-        entry = json.loads(path.read_text())[key] if path is not None else None
-        return {int(n): float(t) for n, t in entry.items()} if entry else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing or damaged: measure again
+        return json.loads(path.read_text()).get(key) if path is not None else None
+    except (OSError, ValueError, AttributeError):
         return None
 
 
-def _update_timings(key: str, times: dict[int, float] | None) -> None:
+def write_timings(key: str, value) -> None:
+    """Keep `value` (JSON; None: drop the key) under `key` in the timings file, atomically, other keys kept."""
     from medusa_train.files import atomic_write_text
 
     path = timings_file()
@@ -180,10 +191,10 @@ def _update_timings(key: str, times: dict[int, float] | None) -> None:
         data = data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         data = {}
-    if times is None:
+    if value is None:
         data.pop(key, None)
     else:
-        data[key] = {str(n): t for n, t in times.items()}
+        data[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(data, indent=1) + "\n")
@@ -191,9 +202,35 @@ def _update_timings(key: str, times: dict[int, float] | None) -> None:
         pass
 
 
-def write_timings(key: str, times: dict[int, float]) -> None:
-    """Keep `times` under `key` in the timings file (atomically; other keys kept)."""
-    _update_timings(key, times)
+def _verify_entry(key: str) -> dict[int, float] | None:
+    entry = read_timings(key)
+    try:
+        return {int(n): float(t) for n, t in entry.items()} if entry else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def drafter_key(verify_key: str, drafter) -> str:
+    """What drafting time depends on beyond the verify key: the drafter's kind and settings and, for heads, their
+    shape (their spec without the target's fingerprint; weights do not change the time)."""
+    import dataclasses
+
+    def describe(obj, depth: int = 0) -> dict:
+        out: dict = {"class": type(obj).__name__}
+        for name, value in vars(obj).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, (bool, int, float, str)):
+                out[name] = value
+            elif dataclasses.is_dataclass(getattr(value, "spec", None)):
+                out[name] = {k: v for k, v in dataclasses.asdict(value.spec).items()
+                             if k not in ("target_fingerprint", "target_name")}
+            elif depth < 2 and hasattr(value, "draft") and hasattr(value, "max_depth"):
+                out[name] = describe(value, depth + 1)
+        return out
+
+    parts = {"verify": verify_key, "drafter": describe(drafter)}
+    return "draft-" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def _chain(tokens: torch.Tensor):
@@ -207,7 +244,7 @@ def forget_verify_seconds(target: nn.Module) -> None:
     _VERIFY_SECONDS.pop(target, None)
     key = _TIMING_KEYS.pop(target, None)
     if key is not None:
-        _update_timings(key, None)
+        write_timings(key, None)
 
 
 def verify_costs(times: dict[int, float], padded: bool = False) -> list[float]:

@@ -540,7 +540,10 @@ class SpeculativeGenerator:
 
     def remeasure_verify_seconds(self) -> None:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
-        and the auto budget derived from them; the next `generate` measures again."""
+        and the auto budget derived from them, and this drafter's drafting timings; the next `generate` measures
+        again."""
+        verify_key = budget_timing.verify_key(self.target, self.platform, context_limit(self.target), self.static)
+        budget_timing.write_timings(budget_timing.drafter_key(verify_key, self.drafter), None)
         budget_timing.forget_verify_seconds(self.static if self.static is not None else self.target)
         self._verify_costs, self._draft_costs, self._auto_budget = None, None, None
 
@@ -553,11 +556,19 @@ class SpeculativeGenerator:
 
     def draft_costs(self) -> list[float]:
         """draft[b]: seconds this generator's drafter takes to draft a static tree of b nodes, b = 0..the
-        longest verify timed, measured once per generator (`inference.budget.draft_seconds`) from a real
+        longest verify timed, measured once per drafter shape, target shape and machine and kept in the timings file
+        (`inference.budget.draft_seconds`, `drafter_key`) from a real
         prefill of a synthetic prompt (so drafters with history have it), at every budget the verify timings
         cover and interpolated between them."""
         if self._draft_costs is None:
             costs = self.verify_costs()
+            key = budget_timing.drafter_key(budget_timing.verify_key(self.target, self.platform,
+                                                                     context_limit(self.target), self.static),
+                                            self.drafter)
+            kept = budget_timing.read_timings(key)
+            if isinstance(kept, list) and len(kept) == len(costs) - 1:
+                self._draft_costs = [float(t) for t in kept]
+                return self._draft_costs
             vocab = self.target.get_output_embeddings().weight.shape[0]
             prompt = ((torch.arange(budget_timing.PREFIX, device=self.device) * 31 + 7) % vocab)[None]
             self.drafter.reset()
@@ -572,6 +583,7 @@ class SpeculativeGenerator:
             self._draft_costs = budget_timing.draft_seconds(self.drafter, ctx, budgets, self.platform)
             self._draft_costs += [self._draft_costs[-1]] * (len(costs) - 1 - len(self._draft_costs))
             self.drafter.reset()
+            budget_timing.write_timings(key, self._draft_costs)
         return self._draft_costs
 
     def auto_tree_budget(self) -> int:

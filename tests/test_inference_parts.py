@@ -286,6 +286,14 @@ def test_verify_timings_are_kept_between_processes_and_remeasured_when_the_key_c
     budget_timing._VERIFY_SECONDS.clear()
     gen.verify_seconds()
     assert "timing the target's verify forward once" in capsys.readouterr().err
+    # drafting timings too: kept per drafter shape, read back by a generator with heads of the same shape
+    heads_gen = SpeculativeGenerator(same_shape, None, HeadsDrafter(random_heads(same_shape, "chained", 2), same_shape))
+    drafting = heads_gen.draft_costs()
+    budget_timing._VERIFY_SECONDS.clear()
+    budget_timing._TIMING_KEYS.clear()
+    monkeypatch.setattr(budget_timing, "draft_seconds", lambda *a, **k: pytest.fail("drafting was timed again"))
+    other_heads = HeadsDrafter(random_heads(same_shape, "chained", 2, seed=2), same_shape)  # other weights
+    assert SpeculativeGenerator(same_shape, None, other_heads).draft_costs() == drafting
     (tmp_path / "timings.json").write_text("{damaged")
     budget_timing._VERIFY_SECONDS.clear()
     assert SpeculativeGenerator(same_shape, None, NGramDrafter()).verify_seconds()  # measured again, not a crash
