@@ -461,7 +461,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = merge_recorded_adapter(target, fingerprints[0], args.target)
     target = target.to(device).eval()
     kernels = ""
-    if args.cpu_linear != "default" and use_onednn_linear(target, pack=args.cpu_linear == "onednn"):
+    # (not with --compile: inductor cannot lower the packed oneDNN linears, and generates its own kernels)
+    if args.cpu_linear != "default" and not args.compile and use_onednn_linear(target,
+                                                                               pack=args.cpu_linear == "onednn"):
         # shared by every method, `ar` included
         kernels = ", float32 linear layers on oneDNN" + (" (packed weights)" if args.cpu_linear == "onednn" else "")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

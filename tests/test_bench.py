@@ -188,3 +188,17 @@ def test_replies_of_one_target_are_counted_against_another_targets(setup, tmp_pa
 def test_bad_input_exits_2(setup, capsys, argv, message):
     assert bench.main(["--target", str(setup / "target"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compile_on_a_cpu_through_the_cli(setup, capsys):
+    """`bench --compile` on a CPU with inductor, as the README runs it: the engine's compiled verify and
+    transformers' compiled plain decoding, both exact (it crashed: the packed oneDNN linears cannot be lowered)."""
+    out = setup / "compiled.json"
+    rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"),
+                     "--methods", "ar,ar-compiled,chained", "--prompts", str(setup / "prompts.jsonl"), "--limit", "1",
+                     "--max-new-tokens", "6",
+                     "--tree-budget", "2", "--repeats", "1", "--compile", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    methods = json.loads(out.read_text())["methods"]
+    assert list(methods) == ["ar", "ar-compiled", "chained"]
+    assert all(m["exact_match"] for m in methods.values())
