@@ -40,6 +40,12 @@ def test_prepare_plain_directory_round_trips(tmp_path):
     assert json.loads((out / prepare.MARKER).read_text())["gguf_file"] is None
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # the temp dir was renamed away
     assert_same_model(ref, tiny_tokenizer(), out)
+    # ordinary permissions, as a file and a folder made the ordinary way get (safetensors writes 0600, mkdtemp 0700)
+    plain, folder = tmp_path / "plain.txt", tmp_path / "folder"
+    plain.write_text("x")
+    folder.mkdir()
+    assert out.stat().st_mode & 0o777 == folder.stat().st_mode & 0o777
+    assert all(f.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 for f in out.iterdir())
 
 
 def test_second_call_returns_without_loading(tmp_path, monkeypatch):
