@@ -60,6 +60,7 @@ def launcher_argv() -> list[str] | None:
 def die_with_launcher() -> None:
     """Linux: have the kernel send this process SIGTERM when its parent (the launcher) dies, so that SIGTERM to the
     launcher alone still reaches the trainer, which saves and stops, instead of running on as an orphan."""
+    launcher = os.getppid()  # (it may be PID 1 itself, in a container)
     try:
         import ctypes
 
@@ -67,7 +68,7 @@ def die_with_launcher() -> None:
         libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: nothing to ask for
         return
-    if os.getppid() == 1:  # the launcher died before we asked
+    if os.getppid() != launcher:  # the launcher died before we asked
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # includes DataError and TargetLoadError
         if first:  # the same line from every process would only repeat it
             print(f"error: {e}", file=sys.stderr)
-        return finish(2, output_dir if output_dir and Path(output_dir).is_dir() else None)
+        return finish(2, output_dir)
     except TrainingDiverged as e:
         if first:
             print(f"error: {e}", file=sys.stderr)
