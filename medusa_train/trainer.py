@@ -641,7 +641,8 @@ def check_target_supported(cfg: Config, config) -> None:
     reason = unsupported_reason(config)
     if reason:
         raise ConfigError(f"target.model={cfg.target.model}: {model_type}: {reason}; the engine cannot generate with "
-                          "heads for it, so nothing was trained: pick another target (docs/architectures.md lists them)")
+                          "heads for it, so nothing was trained: pick another target (docs/architectures.md lists "
+                          "them)")
     if cfg.heads.kind == "eagle3":
         from transformers import AutoModelForCausalLM
 
