@@ -353,20 +353,23 @@ class SpeculativeGenerator:
 
     # -- the ladder -----------------------------------------------------------------------------------
 
-    def prefill(self, input_ids: torch.Tensor, sampling: Sampling, max_new_tokens: int = 0) -> DecodeState:
+    def prefill(self, input_ids: torch.Tensor, sampling: Sampling, max_new_tokens: int = 0,
+                drafting: bool = True) -> DecodeState:
         """Run the prompt, decide the first new token (the first tree's root). `max_new_tokens` sizes a static
-        cache (`compile=True`; it grows, compiling again, if a step outruns it)."""
+        cache (`compile=True`; it grows, compiling again, if a step outruns it). `drafting=False` (a call that
+        drafts nothing): no layers captured for the drafter, no history fed to it."""
         if self.static is not None:
             self.static.reserve(input_ids.shape[1] + max_new_tokens + 2 * (self.drafter.max_depth + 1))
             hs = self.static.prefill(input_ids)  # [T, d or more]
             cache = self.static.cache
         else:
             cache = new_cache()
-            hs = target_forward(self.target, input_ids, cache, layers=self.drafter.target_layers)[0]  # [T, d or more]
+            layers = self.drafter.target_layers if drafting else ()
+            hs = target_forward(self.target, input_ids, cache, layers=layers)[0]  # [T, d or more]
         h = hs[-1, :self.hidden_size]  # h at the prompt's last position
         logits = final_logits(self.target, h)  # [V]
         root = self.next_token(logits, sampling).view(1)
-        if self.drafter.needs_history:  # position j is followed by x_{j+1}; the last one by the root
+        if drafting and self.drafter.needs_history:  # position j is followed by x_{j+1}; the last one by the root
             self.drafter.observe(hs, torch.cat([input_ids[0, 1:], root]))
         return DecodeState(cache, root, h, input_ids[0].tolist() + root.tolist())
 
@@ -432,6 +435,16 @@ class SpeculativeGenerator:
             clock.rows += draft.size
         return new
 
+    def plain_step(self, state: DecodeState, sampling: Sampling) -> list[int]:
+        """A step that drafts nothing, run as plain decoding runs it: the root through the target's ordinary causal
+        forward (no tree mask, no position ids, no layers captured, no drafter called); its logits decide the next
+        root. Returns [that token]."""
+        h = target_forward(self.target, state.root[None], state.cache)[0, -1]  # [d]
+        state.root, state.hidden = self.next_token(final_logits(self.target, h), sampling).view(1), h
+        new = state.root.tolist()  # the step's one host read
+        state.tokens.extend(new)
+        return new
+
     def generate(self, prompt: str | torch.Tensor | Sequence[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
                  acceptance: Acceptance = "exact", tree: Literal["auto", "static", "dynamic"] | TreeSpec = "auto",
@@ -492,11 +505,18 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())
         with torch.inference_mode():
             if max_new_tokens > 0:
-                state = self.prefill(input_ids, sampling, max_new_tokens)
+                # a budget of 0 drafts nothing: plain decoding, at plain decoding's cost (the compiled path keeps
+                # its own padded verify)
+                plain = budget == 0 and isinstance(tree, str) and self.static is None
+                state = self.prefill(input_ids, sampling, max_new_tokens, drafting=not plain)
                 stats.target_forwards = 1
                 done = emit(state.tokens[-1:])
                 while not done:
-                    new = self.speculative_step(state, tree, budget, sampling, costs, stats)
+                    if plain:
+                        new = self.plain_step(state, sampling)
+                        stats.verified_nodes += 1
+                    else:
+                        new = self.speculative_step(state, tree, budget, sampling, costs, stats)
                     stats.steps += 1
                     stats.accept_lengths.append(len(new))
                     done = emit(new)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model, tiny_tokenizer
 
-from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
+from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
 from inference.drafters import DraftContext
 from medusa_train.heads import DraftHeads
 
@@ -239,3 +239,31 @@ def test_default_eos_comes_from_generation_config():
     out = gen.generate(input_ids, max_new_tokens=20)
     assert out.token_ids.tolist() == greedy_reference(model, input_ids, 20).tolist()
     assert out.token_ids[-1] == truth_new[9] and len(out.token_ids) <= 10
+
+
+@pytest.mark.parametrize("kind", ["chained", "eagle3"])
+def test_budget_zero_is_plain_decoding_and_drafts_nothing(kind, monkeypatch):
+    """A budget of 0 drafts nothing: output equal to `generate`'s, and no drafting work at all (no drafter method,
+    no head module, no captured layers), heads with history (eagle3, context heads) included."""
+    import medusa_train.target as target_module
+
+    model = float64_model("qwen2", seed=6)
+    heads = random_heads(model, kind, 3, context_layers=1 if kind == "chained" else 0)
+    drafter = HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=2)
+    gen = SpeculativeGenerator(model, tiny_tokenizer(), drafter)
+    calls = []
+    for name in ("draft", "observe", "root_state", "propose"):
+        for d in (drafter, drafter.primary, drafter.lookup):
+            if hasattr(d, name):
+                monkeypatch.setattr(d, name, lambda *a, _n=name, **k: calls.append(_n))
+    for module in heads.modules():
+        module.register_forward_hook(lambda *a: calls.append("heads forward"))
+    real_capture = target_module.capture_layers
+    monkeypatch.setattr(target_module, "capture_layers",
+                        lambda *a, **k: calls.append("capture") or real_capture(*a, **k))
+    ids = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(7))
+    out = gen.generate(ids, max_new_tokens=20, tree_budget=0, eos_token_id=[])
+    assert out.token_ids.tolist() == greedy_reference(model, ids, 20, eos_token_id=[]).tolist()
+    assert calls == [] and out.stats.tau == 1.0 and out.stats.verified_nodes == 19
+    sampled = gen.generate(ids, max_new_tokens=5, tree_budget=0, temperature=1.0, seed=1, eos_token_id=[])
+    assert len(sampled.token_ids) == 5 and calls == []
