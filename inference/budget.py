@@ -239,6 +239,36 @@ def _chain(tokens: torch.Tensor):
     return tree_from_parents(tokens, (idx - 1).clamp_min(0), idx, n - 1)
 
 
+class Drift:
+    """Observed verify seconds against the timed cost of the same row count, over the last `window` CPU steps. The
+    timing is taken once (and kept across runs): if the machine has changed since (another job started or ended,
+    another power state), the budget chosen from it is wrong, and `drifted` says so: the median ratio of the last
+    `window` steps beyond `factor` either way. A burst of noise moves the median of a full window little."""
+
+    def __init__(self, window: int = 32, factor: float = 1.5) -> None:
+        self.window, self.factor = window, factor
+        self.ratios: list[float] = []
+
+    def observe(self, seconds: float, predicted: float) -> None:
+        if predicted > 0:
+            self.ratios.append(seconds / predicted)
+            del self.ratios[:-self.window]
+
+    def ratio(self) -> float:
+        ordered = sorted(self.ratios)
+        return ordered[len(ordered) // 2] if ordered else 1.0
+
+    def drifted(self) -> float | None:
+        """The median ratio when it has drifted (and start counting afresh), else None."""
+        if len(self.ratios) < self.window:
+            return None
+        r = self.ratio()
+        if r > self.factor or r < 1 / self.factor:
+            self.ratios.clear()
+            return r
+        return None
+
+
 def forget_verify_seconds(target: nn.Module) -> None:
     """Drop the timings of `target` (or a StaticVerifier), here and in the timings file: the next use measures."""
     _VERIFY_SECONDS.pop(target, None)

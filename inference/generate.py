@@ -257,6 +257,8 @@ class SpeculativeGenerator:
         # how often each kind of drafted node is accepted, learned from every verify of this generator (kept
         # across `generate` calls); it decides which nodes of a CPU step are worth their verify rows
         self.calibrator = AcceptanceCalibrator(max_depth=max(1, drafter.max_depth))
+        self.drift = budget_timing.Drift()  # observed verify time against the timed cost, per CPU step
+        self._retimed = False
         if self_check:
             check_tree_attention(target)
         # compile: a static KV cache and a verify forward compiled per tree size (CUDA graphs on CUDA); True uses
@@ -410,6 +412,7 @@ class SpeculativeGenerator:
         lap("trim")
         if stats is not None:
             stats.verified_nodes += draft.size
+        t_verify = time.perf_counter()
         prefix_len = len(state.tokens) - 1  # the cache holds every token but the root
         if self.static is not None:
             logits, h = self.static.verify(draft, prefix_len)
@@ -420,6 +423,8 @@ class SpeculativeGenerator:
         lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
+        if costs is not None:  # a CPU: how this verify compares with the timing the budget was chosen from
+            self.drift.observe(time.perf_counter() - t_verify, costs[min(draft.size, len(costs) - 1)])
         lap("accept")
         if keys is not None:
             self.calibrator.update(draft, keys, acc.path, n)
@@ -513,8 +518,11 @@ class SpeculativeGenerator:
                 done = emit(state.tokens[-1:])
                 while not done:
                     if plain:
+                        t = time.perf_counter()
                         new = self.plain_step(state, sampling)
                         stats.verified_nodes += 1
+                        if costs is not None:  # the auto budget chose 0 on a CPU: is the timing still right?
+                            self.drift.observe(time.perf_counter() - t, costs[1])
                     else:
                         new = self.speculative_step(state, tree, budget, sampling, costs, stats)
                     stats.steps += 1
@@ -523,6 +531,14 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.end()
         stats.seconds = time.perf_counter() - start
+        drifted = self.drift.drifted()
+        if drifted is not None and not self._retimed:  # the machine is not what it was when timed: time again
+            # at the next call, once per generator (a drift that a new timing does not cure, e.g. prompts far
+            # longer than the 128-token prefix the timing uses, must not cost a timing on every call)
+            print(f"verify steps ran at {drifted:.2f}x their timed cost: timing again at the next call",
+                  file=sys.stderr, flush=True)
+            self.remeasure_verify_seconds()
+            self._retimed = True
         stats.target_forwards = stats.steps + (1 if max_new_tokens > 0 else 0)
         stats.new_tokens = len(out)
         stats.tau = len(out) / max(stats.target_forwards, 1)

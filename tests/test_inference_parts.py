@@ -297,3 +297,70 @@ def test_verify_timings_are_kept_between_processes_and_remeasured_when_the_key_c
     (tmp_path / "timings.json").write_text("{damaged")
     budget_timing._VERIFY_SECONDS.clear()
     assert SpeculativeGenerator(same_shape, None, NGramDrafter()).verify_seconds()  # measured again, not a crash
+
+
+def fake_timed_verify(monkeypatch, delay_calls: set[int]) -> dict[int, float]:
+    """verify_seconds on a fake clock: a verify of n rows takes 1 + 0.1 n ms, plus 50 ms on the calls numbered in
+    `delay_calls` (another process taking the cores while the target is timed). Returns the timings."""
+    import inference.budget as budget_timing
+
+    clock = [0.0]
+    calls = [0]
+
+    def verify(model, cache, tree, layers=()):
+        calls[0] += 1
+        clock[0] += 1e-3 + 1e-4 * tree.tokens.shape[0] + (0.05 if calls[0] in delay_calls else 0.0)
+
+    monkeypatch.setattr(budget_timing, "verify_tree", verify)
+    monkeypatch.setattr(budget_timing.time, "perf_counter", lambda: clock[0])
+    model = float64_model("llama", seed=8)
+    gen = SpeculativeGenerator(model, None, NGramDrafter(), self_check=False)
+    budget_timing.forget_verify_seconds(model)
+    monkeypatch.setenv("MEDUSA_TRAIN_TIMINGS", "off")
+    return gen.verify_seconds()
+
+
+def test_a_burst_of_load_while_timing_does_not_move_the_budget(monkeypatch):
+    """The timing runs 6 round-robin rounds over every length and keeps each length's least disturbed of the last 5:
+    another process that takes the cores for up to 4 whole rounds (here: rounds 2 to 5, every length 50 ms slower)
+    leaves the timings, hence the tree budget, exactly as undisturbed; a slowdown in every round is real load
+    and moves them."""
+    from inference.budget import LENGTHS_CPU, best_budget, verify_costs
+
+    clean = fake_timed_verify(monkeypatch, set())
+    per_round = len(LENGTHS_CPU)
+    burst = set(range(per_round + 1, 5 * per_round + 1))  # calls of rounds 2..5 (round 1 warms up)
+    assert fake_timed_verify(monkeypatch, burst) == pytest.approx(clean, abs=1e-9)  # (the fake clock's rounding)
+    tau = [1 + 0.9 * (1 - 0.7 ** b) / 0.3 for b in range(64)]  # a drafter whose extra nodes pay less and less
+    assert best_budget(tau, verify_costs(clean)) == best_budget(tau, verify_costs(fake_timed_verify(monkeypatch,
+                                                                                                     burst)))
+    everywhere = set(range(1, 6 * per_round + 1))
+    assert fake_timed_verify(monkeypatch, everywhere) != pytest.approx(clean, abs=1e-3)
+
+
+def test_steps_that_drift_from_the_timing_trigger_a_new_timing(capsys):
+    """The budget was chosen from timings 100x too fast for this machine now (taken while it was idle, or kept from
+    another state of it): after a window of CPU steps whose verify ran far slower than predicted the generator says
+    so and times again at the next call; steps in line with the timing do not."""
+    from inference.budget import Drift
+
+    model = float64_model("llama", seed=9)
+    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model))
+    gen.verify_costs()
+    gen._verify_costs = [c / 100 for c in gen._verify_costs]
+    gen.draft_costs()
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    gen.generate(ids, max_new_tokens=60, eos_token_id=[])
+    assert "their timed cost: timing again at the next call" in capsys.readouterr().err
+    assert gen._verify_costs is None and gen._auto_budget is None
+    gen.verify_costs()
+    gen._verify_costs = [c / 100 for c in gen._verify_costs]  # the same drift again: once per generator
+    gen.generate(ids, max_new_tokens=60, eos_token_id=[])
+    assert "timing again" not in capsys.readouterr().err and gen._verify_costs is not None
+    drift = Drift(window=8)
+    for r in [1.0, 1.1, 0.9, 30.0, 40.0, 1.05, 0.95, 1.0]:  # a burst of two slow steps: the median holds
+        drift.observe(r * 1e-3, 1e-3)
+    assert drift.drifted() is None
+    for _ in range(8):
+        drift.observe(3e-3, 1e-3)
+    assert drift.drifted() == pytest.approx(3.0)
