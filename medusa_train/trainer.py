@@ -18,11 +18,9 @@ config), `acceptance.json` (per-head top-k acceptance, read by the inference eng
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -36,21 +34,16 @@ from torch.utils.data import DataLoader
 
 from .config import Config, ConfigError
 from .errors import TrainingDiverged
-from .files import atomic_write_text
 from .data import build_datasets, collate, select_draft_vocab, token_counts
+from .checkpoints import (METRICS_NAME, RECIPE_NAME, check_resumable, latest_checkpoint, remove_stale_files, resume,
+                          resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads, target_fingerprint
 from .joint import JointObjective, add_lora, held_out_lm_kl, save_adapter
 from .losses import STATS, HeadsObjective, summarize
-from .target import (check_hub_reachable, decoder_layers, load_model, load_tokenizer, logit_transform, text_config,
-                     unsupported_reason)
+from .preflight import check_before_loading
+from .target import load_model, load_tokenizer, logit_transform
 from .target_states import TargetStates
-
-CHECKPOINTS = "checkpoints"
-TRAINER_STATE = "trainer_state.json"
-MANIFEST_NAME = "manifest.json"
-RECIPE_NAME = "recipe.yaml"
-METRICS_NAME = "metrics.jsonl"
 
 
 @dataclass
@@ -124,119 +117,6 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str,
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
-
-
-def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """`checkpoints/step-N` directories, newest first (a save's `.tmp-*` and a rotation's `.trash-*` excluded)."""
-    root = Path(output_dir) / CHECKPOINTS
-    return sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint whose manifest verifies (every file present, of its size and checksum)."""
-    return next((p for p in checkpoints(output_dir) if verify_checkpoint(p) is None), None)
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """None if `path` holds every file its manifest lists, with the size and sha256 recorded; else what is wrong,
-    as the tail of a sentence. The manifest is written last, so a save cut short has none."""
-    manifest = path / MANIFEST_NAME
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{MANIFEST_NAME} is missing or unreadable (a save or a rotation was cut short)"
-    for name, want in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} is {f.stat().st_size} bytes, the manifest says {want['size']}"
-        if _sha256(f) != want["sha256"]:
-            return f"{name} does not match its checksum (damaged)"
-    return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
-    """accelerator.save_state into a temp dir, plus the data position and resolved recipe, and last a manifest of
-    every file's size and sha256; all fsynced, then renamed to checkpoints/step-N. Rotation to
-    `train.keep_checkpoints` renames an old checkpoint to `.trash-*` before deleting it. A crash at any point
-    leaves nothing that verifies but the checkpoints that are complete."""
-    root = Path(cfg.output_dir) / CHECKPOINTS
-    final = root / f"step-{position['step']}"
-    tmp = root / f".tmp-step-{position['step']}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # heads, optimizer, scheduler, sampler, RNG of every process
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        (tmp / TRAINER_STATE).write_text(json.dumps(position, indent=2) + "\n")
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(f)
-            files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-        (tmp / MANIFEST_NAME).write_text(json.dumps({"files": files}, indent=1) + "\n")
-        _fsync(tmp / MANIFEST_NAME)
-        _fsync(tmp)
-        if final.exists():
-            os.replace(final, root / f".trash-{final.name}")
-        os.replace(tmp, final)
-        _fsync(root)
-        for old in rotated_out(cfg.output_dir, final, cfg.train.keep_checkpoints):
-            trash = root / f".trash-{old.name}"
-            os.replace(old, trash)  # never a half-deleted step-N that could look complete
-            shutil.rmtree(trash, ignore_errors=True)
-        for trash in root.glob(".trash-*"):
-            shutil.rmtree(trash, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def rotated_out(output_dir: str | os.PathLike, newest: Path, keep: int) -> list[Path]:
-    """The checkpoints a rotation removes: all but the newest `keep` that verify (`newest`, just written and checked,
-    among them). A damaged one is never kept in place of one that verifies: it is removed, and said so, so that a
-    second fault cannot leave nothing to resume from. Verifies (sha256) only until `keep` good ones are found."""
-    kept, out = [newest], []
-    for ckpt in checkpoints(output_dir):
-        if ckpt == newest:
-            continue
-        if len(kept) >= keep:
-            out.append(ckpt)
-            continue
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
-            kept.append(ckpt)
-        else:
-            print(f"checkpoints: removing {ckpt}, which does not verify ({problem})", flush=True)
-            out.append(ckpt)
-    return out
-
-
-def remove_stale_files(output_dir: str | os.PathLike) -> None:
-    """What interrupted writes left behind: checkpoint temp and trash directories, atomic writes' temp files."""
-    out = Path(output_dir)
-    for d in list((out / CHECKPOINTS).glob(".tmp-*")) + list((out / CHECKPOINTS).glob(".trash-*")):
-        shutil.rmtree(d, ignore_errors=True)
-    for f in out.glob(".*.tmp-*"):
-        f.unlink(missing_ok=True)
 
 
 def full_params(accelerator, model):
@@ -582,14 +462,6 @@ def setup(cfg: Config) -> Run:
     return run
 
 
-# Keys a resumed run may change: they decide how long it runs and what it logs or keeps, never the math of a step
-# (a changed max_steps or epochs changes where the schedule ends, which is what asking for more steps means).
-RESUMABLE_CHANGES = ("output_dir", "resume", "train.max_steps", "train.epochs", "train.log_every", "train.save_every",
-                     "train.keep_checkpoints", "train.max_nonfinite_steps", "train.max_loss_growth",
-                     "train.cache_hidden", "train.hidden_cache_dir", "data.num_proc", "loss.chunk_size", "eval.",
-                     "tracking.")
-
-
 def check_joint_distributed(accelerator) -> None:
     """Joint training runs on one process or under DDP; FSDP and DeepSpeed would shard a target that has both frozen
     and trainable weights, which this trainer does not set up."""
@@ -598,171 +470,6 @@ def check_joint_distributed(accelerator) -> None:
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ConfigError(f"target.lora runs on one process or under DDP, not {accelerator.distributed_type.value}: "
                           "launch with a DDP config (`accelerate config`, multi-GPU), or set target.lora.r=0")
-
-
-def check_writable(path: Path, key: str) -> None:
-    """ConfigError unless `path` is (or can be made) a directory this process can write: a real probe write."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{key}={path} is a file, not a directory: point {key} at a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"{key}={path} cannot be written ({e.strerror}): choose a directory you can write, "
-                          "or fix its permissions") from None
-
-
-def target_config(cfg: Config):
-    """The target's config, cheap to read before the model loads; None if it cannot be read (loading the model will
-    then say why)."""
-    from transformers import AutoConfig
-
-    check_hub_reachable(cfg.target.model)  # else an unreachable hub costs ~90 s of retries here, and again later
-    kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
-    try:
-        return AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)
-    except Exception:  # noqa: BLE001 - offline, missing, gated: all reported by the model load
-        return None
-
-
-def target_text_config(cfg: Config):
-    """The target's text config (see `target_config`)."""
-    config = target_config(cfg)
-    return None if config is None else text_config(config)
-
-
-def check_target_supported(cfg: Config, config) -> None:
-    """The engine's support rules, from the config alone, and what the heads' kind needs of the target: heads are
-    never trained for a target the engine would refuse, nor fail after an hour for want of its layers."""
-    text = text_config(config)
-    model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "?")
-    reason = unsupported_reason(config)
-    if reason:
-        raise ConfigError(f"target.model={cfg.target.model}: {model_type}: {reason}; the engine cannot generate with "
-                          "heads for it, so nothing was trained: pick another target (docs/architectures.md lists "
-                          "them)")
-    if cfg.heads.kind == "eagle3":
-        from transformers import AutoModelForCausalLM
-
-        try:
-            with torch.device("meta"):  # the module tree without memory: where its decoder layers are
-                decoder_layers(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.target.trust_remote_code))
-        except ValueError as e:
-            raise ConfigError(f"heads.kind=eagle3: {e}; use heads.kind=chained for this target") from None
-
-
-def head_parameters(cfg: Config, text) -> int:
-    """How many parameters the recipe's heads have for a target of config `text`, counted on heads built on the
-    meta device (no memory)."""
-    from .heads import HeadsSpec
-
-    h = cfg.heads
-    eagle3: dict[str, Any] = {}
-    if h.kind == "eagle3":
-        from .eagle3 import spec_fields
-
-        eagle3 = spec_fields(text, h.aux_layers)
-    spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                     layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
-                     own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
-                     context_layers=h.context_layers, **eagle3)
-    with torch.device("meta"):
-        return sum(p.numel() for p in DraftHeads(spec).parameters())
-
-
-def check_before_loading(cfg: Config) -> None:
-    """What would otherwise fail after the work: directories that cannot be written (found at the first write, an
-    epoch in), a disk too full for the checkpoints, sequences longer than the target's positions."""
-    out = Path(cfg.output_dir)
-    check_writable(out, "output_dir")
-    if cfg.train.hidden_cache_dir:
-        check_writable(Path(cfg.train.hidden_cache_dir), "train.hidden_cache_dir")
-    config = target_config(cfg)
-    if config is None:
-        return
-    check_target_supported(cfg, config)
-    text = text_config(config)
-    layers = getattr(text, "num_hidden_layers", None)
-    if cfg.heads.aux_layers and layers is not None and max(cfg.heads.aux_layers) > layers:
-        raise ConfigError(f"heads.aux_layers={cfg.heads.aux_layers}: the target has {layers} layers, so ids go from 0 "
-                          f"to {layers}; pick ids in that range (or leave it empty for EAGLE-3's default)")
-    n = head_parameters(cfg, text)
-    # a checkpoint holds float32 weights and AdamW's two moments (12 bytes a parameter), one more exists while the
-    # newest is written, and the final heads take 4
-    need = 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
-    free = shutil.disk_usage(out).free
-    if free < need:
-        raise ConfigError(f"output_dir={out}: {free / 2**30:.2f} GiB free, but {cfg.train.keep_checkpoints} "
-                          f"checkpoints and the heads need about {need / 2**30:.2f} GiB: free some space, lower "
-                          "train.keep_checkpoints, or write elsewhere")
-    positions = getattr(text, "max_position_embeddings", None)
-    if positions is not None and cfg.data.max_length > positions:
-        raise ConfigError(f"data.max_length={cfg.data.max_length} exceeds the target's {positions} positions "
-                          f"(max_position_embeddings): set data.max_length <= {positions}")
-
-
-def resume_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint `cfg.resume` names, verified against its manifest. `auto`: the newest that verifies, saying in
-    one line what is wrong with each newer one it passes over (None: start afresh); a path that does not verify
-    is a ConfigError naming the file."""
-    if cfg.resume == "none":
-        return None
-    if cfg.resume != "auto":
-        problem = verify_checkpoint(Path(cfg.resume))
-        if problem is not None:
-            raise ConfigError(f"resume={cfg.resume}: {problem}; pick another checkpoint (resume=auto takes the newest "
-                              "that verifies) or start afresh (resume=none)")
-        return Path(cfg.resume)
-    for ckpt in checkpoints(cfg.output_dir):
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
-            return ckpt
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"resume: skipping {ckpt}: {problem}", flush=True)
-    return None
-
-
-def check_resumable(cfg: Config, ckpt: Path) -> list[str]:
-    """The settings this run changes from the checkpoint's recipe. Any change outside RESUMABLE_CHANGES raises
-    ConfigError naming every such key with both values and the ways on; the allowed ones are returned."""
-    saved_path = ckpt / RECIPE_NAME
-    if not saved_path.is_file():
-        return []
-    flat_saved, flat_now = _flatten(yaml.safe_load(saved_path.read_text()) or {}), _flatten(cfg.to_dict())
-    changed = [k for k in flat_now if k in flat_saved and flat_saved[k] != flat_now[k]]
-    refused = [k for k in changed if not any(k == a or (a.endswith(".") and k.startswith(a))
-                                            for a in RESUMABLE_CHANGES)]
-    if refused:
-        diffs = "; ".join(f"{k}={flat_now[k]!r} (the checkpoint has {flat_saved[k]!r})" for k in refused)
-        raise ConfigError(f"resume: {ckpt} was trained with other settings: {diffs}. Resume with the checkpoint's "
-                          f"values, or start a new run: resume=none (from trained heads: heads.init_from=DIR)")
-    return [f"{k}: {flat_saved[k]!r} -> {flat_now[k]!r}" for k in changed]
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def resume(run: Run, ckpt: Path | None) -> None:
-    """Restore heads, optimizer, scheduler, sampler and RNG from `ckpt`, and the data position."""
-    if ckpt is None:
-        return
-    run.accelerator.load_state(str(ckpt))
-    run.position = json.loads((ckpt / TRAINER_STATE).read_text())
-    p = run.position
-    metrics = Path(run.cfg.output_dir) / METRICS_NAME
-    if run.accelerator.is_main_process and metrics.is_file():  # rows logged after the checkpoint are logged again
-        rows = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= p["step"]]
-        atomic_write_text(metrics, "".join(f"{line}\n" for line in rows))
-    run.accelerator.print(f"resumed from {ckpt} at step {p['step']} (epoch {p['epoch']}, batch {p['batch_in_epoch']})")
 
 
 # ---------------------------------------------------------------------------------------------------

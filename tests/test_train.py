@@ -681,6 +681,7 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     """An output directory that cannot be written, a disk too small for the checkpoints, sequences longer than the
     target's positions: each a one-line ConfigError before any model loads (with save_every=0 an unwritable
     output_dir used to surface only after the whole run, at its first write)."""
+    import medusa_train.preflight as preflight
     import medusa_train.trainer as trainer
     from medusa_train.config import ConfigError
 
@@ -696,9 +697,9 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"^data.max_length=600 exceeds the target's 512 positions"):
         train(config(ws, "x", "data.max_length=600"))
     cfg = config(ws, "x")
-    n = trainer.head_parameters(cfg, trainer.target_text_config(cfg))  # counted without loading the target
+    n = preflight.head_parameters(cfg, preflight.target_text_config(cfg))  # counted without loading the target
     assert n == sum(p.numel() for p in DraftHeads.for_target(_tiny_target(ws), "chained", 3).parameters())
-    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(ConfigError, match=r"GiB free, but 2 checkpoints and the heads need about .* lower "
                                           "train.keep_checkpoints"):
         train(config(ws, "x"))
@@ -708,6 +709,7 @@ def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, mo
     """The engine's support rules run on the target's config before anything loads: ALiBi (Bloom) and recurrent
     layers (LFM2's convolutions) stop with one line naming the model type; eagle3 heads on OPT find its decoder
     layers one level down (model.decoder.layers) and pass."""
+    import medusa_train.preflight as preflight
     import medusa_train.trainer as trainer
     from medusa_train.config import ConfigError
 
@@ -720,7 +722,7 @@ def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, mo
         with pytest.raises(ConfigError, match=rf"^target.model=.*{name}: {message}.*nothing was trained"):
             train(config(ws, "x", f"target.model={tmp_path / name}"))
     tiny_config("opt").save_pretrained(tmp_path / "opt")
-    trainer.check_before_loading(config(ws, "x", f"target.model={tmp_path / 'opt'}", "heads.kind=eagle3"))
+    preflight.check_before_loading(config(ws, "x", f"target.model={tmp_path / 'opt'}", "heads.kind=eagle3"))
 
 
 def _tiny_target(ws):
