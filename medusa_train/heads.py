@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write, atomic_write_text, is_heads_dir
+from .target import decoder, output_signature, target_fingerprint
 
 FORMAT_VERSION = 1
 FINGERPRINT_ATOL = 2e-3  # cosines move ~1e-5 between fp32/bf16 copies; another model's move ~1/sqrt(d)
@@ -87,55 +88,6 @@ class HeadsSpec:
 
 # ---------------------------------------------------------------------------------------------------
 # Target fingerprint
-
-
-def _probe_directions(d: int, n: int) -> torch.Tensor:
-    """n fixed pseudo-random unit directions in R^d, identical on every machine and torch version."""
-    j = torch.arange(d, dtype=torch.float64)
-    rows = [torch.sin(j * (0.618034 + 0.1 * i) + 1.7 * i) * torch.cos(j * 0.0137 * (i + 1)) for i in range(n)]
-    dirs = torch.stack(rows)
-    return dirs / dirs.norm(dim=1, keepdim=True)
-
-
-def _signature(weight: torch.Tensor, n_rows: int = 16) -> list[float]:
-    vocab, d = weight.shape
-    idx = torch.linspace(0, vocab - 1, n_rows).round().long().to(weight.device)
-    rows = weight.detach()[idx].to("cpu", torch.float64)
-    rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    cos = (rows * _probe_directions(d, n_rows)).sum(dim=1)  # row i against direction i
-    return [round(float(c), 6) for c in cos]
-
-
-@torch.no_grad()
-def output_signature(target: nn.Module, n: int = 8) -> list[float]:
-    """What the target computes, not only what it stores: cosines of its final hidden states on a fixed 16-token input
-    with fixed directions (an adapter merged into its layers moves them; its embedding and LM head often not)."""
-    weight = target.get_output_embeddings().weight
-    vocab, d = weight.shape
-    ids = ((torch.arange(16) * 7919 + 13) % vocab).to(weight.device)[None]
-    base = target.get_base_model() if hasattr(target, "get_base_model") else target
-    from .target import decoder
-
-    h = decoder(base)(input_ids=ids).last_hidden_state[0, -n:].to("cpu", torch.float64)
-    h = h / h.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return [round(float(c), 6) for c in (h * _probe_directions(d, n)).sum(dim=1)]
-
-
-def target_fingerprint(target: nn.Module) -> dict[str, Any]:
-    """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head; for a target
-    with a peft adapter merged in (`medusa_train.target.merge_adapter`), the adapter and the output signatures of the
-    base and the adapted model, so that the bare base can be told apart."""
-    emb = target.get_input_embeddings().weight
-    out = target.get_output_embeddings().weight
-    fp = {
-        "hidden_size": int(emb.shape[1]),
-        "vocab_size": int(out.shape[0]),
-        "embed_signature": _signature(emb),
-        "lm_head_signature": _signature(out),
-    }
-    if getattr(target, "medusa_adapter", None):
-        fp["adapter"] = dict(target.medusa_adapter)
-    return fp
 
 
 def fingerprint_difference(expected: dict[str, Any], got: dict[str, Any], target: nn.Module | None = None
@@ -419,8 +371,6 @@ class DraftHeads(nn.Module):
             if kind == "eagle3":  # its LM head starts as the target's rows, its norm as the target's final norm
                 rows = out.float() if draft_ids is None else out.float()[draft_ids.to(out.device)]
                 heads.eagle3.lm_head.weight.copy_(rows)
-                from .target import decoder
-
                 norm = getattr(decoder(target), "norm", None)
                 if isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == (emb.shape[1],):
                     heads.eagle3.norm.weight.copy_(norm.weight.float())

@@ -29,9 +29,9 @@ from torch.profiler import record_function
 
 from .config import ConfigError, LoraSettings, LossConfig
 from .files import atomic_write_dir
-from .heads import DraftHeads, output_signature
+from .heads import DraftHeads
 from .losses import IGNORE, FusedHeadLoss, chunk_positions, chunked_head_losses, greedy_tokens, shift_left
-from .target import LogitTransform, decoder, hidden_with_layers, logit_transform, peft_quietly
+from .target import LogitTransform, decoder, hidden_with_layers, logit_transform, output_signature, peft_quietly
 
 ADAPTER_DIR = "adapter"
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,6 +88,57 @@ def _common_kwargs(cfg: TargetConfig) -> dict:
     return kw
 
 
+# ---------------------------------------------------------------------------------------------------
+# The target's fingerprint: what heads record of the target they were trained for
+
+
+def _probe_directions(d: int, n: int) -> torch.Tensor:
+    """n fixed pseudo-random unit directions in R^d, identical on every machine and torch version."""
+    j = torch.arange(d, dtype=torch.float64)
+    rows = [torch.sin(j * (0.618034 + 0.1 * i) + 1.7 * i) * torch.cos(j * 0.0137 * (i + 1)) for i in range(n)]
+    dirs = torch.stack(rows)
+    return dirs / dirs.norm(dim=1, keepdim=True)
+
+
+def _signature(weight: torch.Tensor, n_rows: int = 16) -> list[float]:
+    vocab, d = weight.shape
+    idx = torch.linspace(0, vocab - 1, n_rows).round().long().to(weight.device)
+    rows = weight.detach()[idx].to("cpu", torch.float64)
+    rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    cos = (rows * _probe_directions(d, n_rows)).sum(dim=1)  # row i against direction i
+    return [round(float(c), 6) for c in cos]
+
+
+@torch.no_grad()
+def output_signature(target: nn.Module, n: int = 8) -> list[float]:
+    """What the target computes, not only what it stores: cosines of its final hidden states on a fixed 16-token input
+    with fixed directions (an adapter merged into its layers moves them; its embedding and LM head often not)."""
+    weight = target.get_output_embeddings().weight
+    vocab, d = weight.shape
+    ids = ((torch.arange(16) * 7919 + 13) % vocab).to(weight.device)[None]
+    base = target.get_base_model() if hasattr(target, "get_base_model") else target
+    h = decoder(base)(input_ids=ids).last_hidden_state[0, -n:].to("cpu", torch.float64)
+    h = h / h.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return [round(float(c), 6) for c in (h * _probe_directions(d, n)).sum(dim=1)]
+
+
+def target_fingerprint(target: nn.Module) -> dict[str, Any]:
+    """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head; for a target
+    with a peft adapter merged in (`medusa_train.target.merge_adapter`), the adapter and the output signatures of the
+    base and the adapted model, so that the bare base can be told apart."""
+    emb = target.get_input_embeddings().weight
+    out = target.get_output_embeddings().weight
+    fp = {
+        "hidden_size": int(emb.shape[1]),
+        "vocab_size": int(out.shape[0]),
+        "embed_signature": _signature(emb),
+        "lm_head_signature": _signature(out),
+    }
+    if getattr(target, "medusa_adapter", None):
+        fp["adapter"] = dict(target.medusa_adapter)
+    return fp
+
+
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (cheap: used first, so data errors surface before the model loads)."""
     from transformers import AutoTokenizer
@@ -134,8 +186,6 @@ def merge_adapter(model: nn.Module, adapter: str | os.PathLike, base_name: str =
     """`model` with the peft adapter at `adapter` merged into its weights (a plain transformers model again, as fast
     as the base). TargetLoadError in one line when the adapter was made for another base model."""
     from peft import PeftModel
-
-    from .heads import output_signature
 
     try:
         with peft_quietly():

@@ -38,11 +38,11 @@ from .data import build_datasets, collate, select_draft_vocab, token_counts
 from .checkpoints import (METRICS_NAME, RECIPE_NAME, check_resumable, latest_checkpoint, remove_stale_files, resume,
                           resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate, save_acceptance
-from .heads import DraftHeads, target_fingerprint
+from .heads import DraftHeads
 from .joint import JointObjective, add_lora, held_out_lm_kl, save_adapter
 from .losses import STATS, HeadsObjective, summarize
 from .preflight import check_before_loading
-from .target import load_model, load_tokenizer, logit_transform
+from .target import load_model, load_tokenizer, logit_transform, target_fingerprint
 from .target_states import TargetStates
 
 
