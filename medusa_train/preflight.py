@@ -35,7 +35,8 @@ def target_config(cfg: Config):
     then say why)."""
     from transformers import AutoConfig
 
-    check_hub_reachable(cfg.target.model)  # else an unreachable hub costs ~90 s of retries here, and again later
+    # else an unreachable hub costs ~90 s of retries here, and again later
+    check_hub_reachable(cfg.target.model, filename=cfg.target.gguf_file)
     kw = {"gguf_file": cfg.target.gguf_file} if cfg.target.gguf_file else {}
     try:
         return AutoConfig.from_pretrained(cfg.target.model, trust_remote_code=cfg.target.trust_remote_code, **kw)

@@ -54,10 +54,11 @@ def _load_error(cfg: TargetConfig, what: str, e: Exception) -> TargetLoadError:
     return TargetLoadError(f"target.model: cannot load the {what} of {cfg.model!r} ({first}); {fix}")
 
 
-def check_hub_reachable(name: str, key: str = "target.model") -> None:
+def check_hub_reachable(name: str, key: str = "target.model", filename: str | None = None) -> None:
     """Fail at once, in one line, for a hub name that is neither a local directory nor in the Hugging Face cache
-    when the hub cannot be reached: transformers would retry for about 90 s before saying so. Reads HF_ENDPOINT; does
-    nothing with HF_HUB_OFFLINE=1 (transformers then fails at once itself)."""
+    (`filename`, default config.json, is what is looked for there) when the hub cannot be reached: transformers would
+    retry for about 90 s before saying so. Reads HF_ENDPOINT; behind a proxy (HTTPS_PROXY, ALL_PROXY) it is the
+    proxy that must answer; does nothing with HF_HUB_OFFLINE=1 (transformers then fails at once itself)."""
     import socket
     from urllib.parse import urlparse
 
@@ -66,19 +67,26 @@ def check_hub_reachable(name: str, key: str = "target.model") -> None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        if isinstance(try_to_load_from_cache(name, filename or "config.json"), str):
             return
     except Exception:  # noqa: BLE001 - not a repo id: the load says what is wrong with it
         return
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     url = urlparse(endpoint)
+    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+                  if url.scheme == "https" and os.environ.get(k)), None)
+    if proxy and "://" not in proxy:
+        proxy = f"http://{proxy}"
+    first_hop = urlparse(proxy) if proxy else url
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+        port = first_hop.port or (443 if first_hop.scheme == "https" else 80)
+        socket.create_connection((first_hop.hostname, port), timeout=5).close()
     except OSError as e:
+        via = f" through the proxy {first_hop.hostname}" if proxy else ""
         raise TargetLoadError(f"{key}={name!r} is not a local directory nor in the Hugging Face cache, and the hub "
-                              f"({endpoint}) cannot be reached from this machine ({e.strerror or type(e).__name__}): "
-                              f"download it where there is a network (`hf download {name}`) and copy the cache, or "
-                              f"set {key} to a local directory") from None
+                              f"({endpoint}) cannot be reached from this machine{via} "
+                              f"({e.strerror or type(e).__name__}): download it where there is a network "
+                              f"(`hf download {name}`) and copy the cache, or set {key} to a local directory") from None
 
 
 def _common_kwargs(cfg: TargetConfig) -> dict:
@@ -143,7 +151,7 @@ def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer (cheap: used first, so data errors surface before the model loads)."""
     from transformers import AutoTokenizer
 
-    check_hub_reachable(cfg.model)
+    check_hub_reachable(cfg.model, filename=cfg.gguf_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, **_common_kwargs(cfg))
     except (OSError, ValueError) as e:
@@ -165,7 +173,7 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
     """
     from transformers import AutoModelForCausalLM
 
-    check_hub_reachable(cfg.model)
+    check_hub_reachable(cfg.model, filename=cfg.gguf_file)
     kw = _common_kwargs(cfg) | {"dtype": dtype or resolve_dtype(cfg.dtype, device)}
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation

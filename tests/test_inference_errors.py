@@ -156,6 +156,15 @@ def test_an_unreachable_hub_fails_at_once_in_one_line(tmp_path, monkeypatch):
                                           r"reached .*hf download someone/no-such-model"):
         train(load_config(None, ["target.model=someone/no-such-model", f"output_dir={tmp_path / 'out'}",
                                  f"data.dataset={tmp_path / 'd.jsonl'}"], world_size=1))
+    # behind a proxy it is the proxy that must answer (never the hub directly)
+    monkeypatch.delenv("HF_ENDPOINT")
+    monkeypatch.setenv("HTTPS_PROXY", "127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"the hub \(https://huggingface.co\) cannot be reached from this machine "
+                                          r"through the proxy 127.0.0.1"):
+        train(load_config(None, ["target.model=someone/no-such-model", f"output_dir={tmp_path / 'out'}",
+                                 f"data.dataset={tmp_path / 'd.jsonl'}"], world_size=1))
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     heads = tmp_path / "heads"
     DraftHeads.for_target(tiny_model("llama"), "chained", 2, target_name="someone/no-such-model").save_pretrained(heads)
     with pytest.raises(ValueError, match=r"^target='someone/no-such-model' is not a local directory"):
