@@ -239,6 +239,21 @@ def _chain(tokens: torch.Tensor):
     return tree_from_parents(tokens, (idx - 1).clamp_min(0), idx, n - 1)
 
 
+# steps count towards drift only while the prefix is near the one the timing used: a verify after a long prompt
+# costs more for its attention alone, which a new timing (at PREFIX) would not cure
+DRIFT_PREFIX = 2 * PREFIX
+_RETIMED: weakref.WeakSet = weakref.WeakSet()  # targets (or StaticVerifiers) already timed again for drift
+
+
+def may_retime(owner) -> bool:
+    """True the first time drift asks to time `owner` again (and never after): generators sharing a target share
+    its timings, so one re-timing serves them all, and a drift it did not cure must not cost one per call."""
+    if owner in _RETIMED:
+        return False
+    _RETIMED.add(owner)
+    return True
+
+
 class Drift:
     """Observed verify seconds against the timed cost of the same row count, over the last `window` CPU steps. The
     timing is taken once (and kept across runs): if the machine has changed since (another job started or ended,

@@ -261,7 +261,6 @@ class SpeculativeGenerator:
         # across `generate` calls); it decides which nodes of a CPU step are worth their verify rows
         self.calibrator = AcceptanceCalibrator(max_depth=max(1, drafter.max_depth))
         self.drift = budget_timing.Drift()  # observed verify time against the timed cost, per CPU step
-        self._retimed = False
         if self_check:
             check_tree_attention(target)
         # compile: a static KV cache and a verify forward compiled per tree size (CUDA graphs on CUDA); True uses
@@ -426,7 +425,7 @@ class SpeculativeGenerator:
         lap("verify")
         acc = self.accept(draft, logits, sampling)
         n, new = acc.to_host(draft)  # the step's one host sync
-        if costs is not None:  # a CPU: how this verify compares with the timing the budget was chosen from
+        if costs is not None and prefix_len <= budget_timing.DRIFT_PREFIX:  # a CPU: this verify against its timing
             self.drift.observe(time.perf_counter() - t_verify, costs[min(draft.size, len(costs) - 1)])
         lap("accept")
         if keys is not None:
@@ -524,8 +523,8 @@ class SpeculativeGenerator:
                         t = time.perf_counter()
                         new = self.plain_step(state, sampling)
                         stats.verified_nodes += 1
-                        if costs is not None:  # the auto budget chose 0 on a CPU: is the timing still right?
-                            self.drift.observe(time.perf_counter() - t, costs[1])
+                        if costs is not None and len(state.tokens) <= budget_timing.DRIFT_PREFIX:
+                            self.drift.observe(time.perf_counter() - t, costs[1])  # is the timing still right?
                     else:
                         new = self.speculative_step(state, tree, budget, sampling, costs, stats)
                     stats.steps += 1
@@ -535,13 +534,12 @@ class SpeculativeGenerator:
             streamer.end()
         stats.seconds = time.perf_counter() - start
         drifted = self.drift.drifted()
-        if drifted is not None and not self._retimed:  # the machine is not what it was when timed: time again
-            # at the next call, once per generator (a drift that a new timing does not cure, e.g. prompts far
-            # longer than the 128-token prefix the timing uses, must not cost a timing on every call)
+        owner = self.static if self.static is not None else self.target
+        if drifted is not None and budget_timing.may_retime(owner):  # the machine is not what it was when timed:
+            # time again at the next call, once per target (every generator on it shares the timings)
             print(f"verify steps ran at {drifted:.2f}x their timed cost: timing again at the next call",
                   file=sys.stderr, flush=True)
             self.remeasure_verify_seconds()
-            self._retimed = True
         stats.target_forwards = stats.steps + (1 if max_new_tokens > 0 else 0)
         stats.new_tokens = len(out)
         stats.tau = len(out) / max(stats.target_forwards, 1)

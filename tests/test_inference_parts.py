@@ -341,22 +341,37 @@ def test_a_burst_of_load_while_timing_does_not_move_the_budget(monkeypatch):
 def test_steps_that_drift_from_the_timing_trigger_a_new_timing(capsys):
     """The budget was chosen from timings 100x too fast for this machine now (taken while it was idle, or kept from
     another state of it): after a window of CPU steps whose verify ran far slower than predicted the generator says
-    so and times again at the next call; steps in line with the timing do not."""
+    so and times again at the next call, once per target; steps in line with the timing do not."""
     from inference.budget import Drift
 
-    model = float64_model("llama", seed=9)
-    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model))
-    gen.verify_costs()
-    gen._verify_costs = [c / 100 for c in gen._verify_costs]
-    gen.draft_costs()
+    def planted(gen, drafting: bool):
+        """Timings 100x too fast; with `drafting`, free drafting too, so the budget drafts (tree steps), else it is 0
+        (plain steps): both kinds of step are watched."""
+        gen.verify_costs()
+        gen._verify_costs = [c / 100 for c in gen._verify_costs]
+        gen._draft_costs = [0.0] * (len(gen._verify_costs) - 1) if drafting else None
+        return gen
+
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
-    gen.generate(ids, max_new_tokens=60, eos_token_id=[])
-    assert "their timed cost: timing again at the next call" in capsys.readouterr().err
-    assert gen._verify_costs is None and gen._auto_budget is None
-    gen.verify_costs()
-    gen._verify_costs = [c / 100 for c in gen._verify_costs]  # the same drift again: once per generator
-    gen.generate(ids, max_new_tokens=60, eos_token_id=[])
-    assert "timing again" not in capsys.readouterr().err and gen._verify_costs is not None
+    for drafting in (True, False):
+        model = float64_model("llama", seed=9 + drafting)
+        gen = planted(SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model)),
+                      drafting)
+        out = gen.generate(ids, max_new_tokens=60, eos_token_id=[])
+        assert (out.stats.tree_budget > 0) == drafting
+        assert "their timed cost: timing again at the next call" in capsys.readouterr().err
+        assert gen._verify_costs is None and gen._auto_budget is None
+        for g in (gen, SpeculativeGenerator(model, None, NGramDrafter())):  # the same drift again: once per target
+            planted(g, drafting).generate(ids, max_new_tokens=60, eos_token_id=[])
+            assert "timing again" not in capsys.readouterr().err and g._verify_costs is not None
+        # steps after a prompt far longer than the timing's prefix do not count: their attention costs more, which a
+        # new timing would not cure
+        fresh = float64_model("llama", seed=11 + drafting)
+        long_gen = planted(SpeculativeGenerator(fresh, None, HeadsDrafter(random_heads(fresh, "chained", 2), fresh)),
+                           drafting)
+        long_gen.generate(torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(2)),
+                          max_new_tokens=60, eos_token_id=[])
+        assert "timing again" not in capsys.readouterr().err and long_gen.drift.ratios == []
     drift = Drift(window=8)
     for r in [1.0, 1.1, 0.9, 30.0, 40.0, 1.05, 0.95, 1.0]:  # a burst of two slow steps: the median holds
         drift.observe(r * 1e-3, 1e-3)
