@@ -534,9 +534,9 @@ class SpeculativeGenerator:
             streamer.end()
         stats.seconds = time.perf_counter() - start
         drifted = self.drift.drifted()
-        owner = self.static if self.static is not None else self.target
-        if drifted is not None and budget_timing.may_retime(owner):  # the machine is not what it was when timed:
-            # time again at the next call, once per target (every generator on it shares the timings)
+        # the machine is not what it was when timed: time again at the next call, once per target (every generator
+        # on it shares the timings)
+        if drifted is not None and budget_timing.may_retime(self.timing_owner):
             print(f"verify steps ran at {drifted:.2f}x their timed cost: timing again at the next call",
                   file=sys.stderr, flush=True)
             self.remeasure_verify_seconds()
@@ -575,13 +575,22 @@ class SpeculativeGenerator:
         compiled generator times its own compiled verify, at the row counts it compiles."""
         return budget_timing.verify_seconds(self.target, self.platform, context_limit(self.target), self.static)
 
+    @property
+    def timing_owner(self):
+        """What the verify timings belong to: the compiled verifier when there is one, else the target."""
+        return self.static if self.static is not None else self.target
+
+    def drafter_timing_key(self) -> str:
+        """This drafter's key in the timings file (on top of the target's verify key)."""
+        verify_key = budget_timing.verify_key(self.target, self.platform, context_limit(self.target), self.static)
+        return budget_timing.drafter_key(verify_key, self.drafter)
+
     def remeasure_verify_seconds(self) -> None:
         """Forget the verify timings of this target (e.g. after changing its kernels or the machine's load)
         and the auto budget derived from them, and this drafter's drafting timings; the next `generate` measures
         again."""
-        verify_key = budget_timing.verify_key(self.target, self.platform, context_limit(self.target), self.static)
-        budget_timing.write_timings(budget_timing.drafter_key(verify_key, self.drafter), None)
-        budget_timing.forget_verify_seconds(self.static if self.static is not None else self.target)
+        budget_timing.write_timings(self.drafter_timing_key(), None)
+        budget_timing.forget_verify_seconds(self.timing_owner)
         self._verify_costs, self._draft_costs, self._auto_budget = None, None, None
 
     def verify_costs(self) -> list[float]:
@@ -599,9 +608,7 @@ class SpeculativeGenerator:
         cover and interpolated between them."""
         if self._draft_costs is None:
             costs = self.verify_costs()
-            key = budget_timing.drafter_key(budget_timing.verify_key(self.target, self.platform,
-                                                                     context_limit(self.target), self.static),
-                                            self.drafter)
+            key = self.drafter_timing_key()
             kept = budget_timing.read_timings(key)
             if isinstance(kept, list) and len(kept) == len(costs) - 1:
                 self._draft_costs = [float(t) for t in kept]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -322,9 +323,15 @@ def logit_transform(config) -> LogitTransform:
                           softcap=float(cap) if cap else 0.0)
 
 
+_TRANSFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LogitTransform, read once
+
+
 def final_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The logits `model` itself returns for final hidden states h [..., d]: its LM head, then its transform."""
-    transform = logit_transform(model.config)
+    """The logits `model` itself returns for final hidden states h [..., d]: its LM head, then its transform (read
+    from its config once per model: this runs every verify step)."""
+    transform = _TRANSFORMS.get(model)
+    if transform is None:
+        transform = _TRANSFORMS[model] = logit_transform(model.config)
     logits = model.get_output_embeddings()(h)
     return logits if transform.identity else transform(logits)
 
