@@ -5,7 +5,9 @@ and lossless sampling on any Hugging Face causal LM that takes a 4D attention ma
     gen = SpeculativeGenerator.from_pretrained("runs/x")           # heads dir; target from its config
     out = gen.generate("def fib(n):", max_new_tokens=256)          # out.text, out.token_ids, out.stats
 
-Names are imported lazily, so `python -m inference.generate` does not import its own module twice.
+The engine (what one generation touches) is `inference.engine`; beside it are the command lines that use it
+(`python -m inference.generate`) and the instruments that measure it (`inference.bench`, `inference.oracle`,
+`inference.profile_step`). Names are imported lazily, so a command line loads only what it uses.
 """
 
 from __future__ import annotations
@@ -13,16 +15,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "SpeculativeGenerator": "inference.generate", "GenerationOutput": "inference.generate",
-    "GenerationStats": "inference.generate", "ContextLengthError": "inference.generate",
-    "UnsupportedModelError": "inference.generate",
-    "Drafter": "inference.drafters", "DraftContext": "inference.drafters", "TreeDrafter": "inference.drafters",
-    "HeadsDrafter": "inference.drafters", "NGramDrafter": "inference.drafters", "BigramDrafter": "inference.drafters",
-    "HybridDrafter": "inference.drafters",
-    "Tree": "inference.tree", "TreeTopology": "inference.tree", "static_tree_search": "inference.tree",
-    "topology_from_paths": "inference.tree",
+_MODULES = {
+    "inference.engine.generator": ("SpeculativeGenerator", "GenerationOutput", "GenerationStats"),
+    "inference.engine.support": ("ContextLengthError", "UnsupportedModelError"),
+    "inference.engine.drafters": ("Drafter", "DraftContext", "TreeDrafter", "HeadsDrafter", "NGramDrafter",
+                                  "BigramDrafter", "HybridDrafter"),
+    "inference.engine.tree": ("Tree", "TreeTopology", "static_tree_search", "topology_from_paths"),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_EXPORTS)
 
 

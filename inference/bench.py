@@ -79,7 +79,7 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
         texts = [t for _, t in default_prompts("heldout")]
     else:
         from medusa_train.config import ConfigError
-        from medusa_train.distill import load_prompts
+        from medusa_train.prompts import load_prompts
 
         try:
             texts = [p.text for p in load_prompts(source)]
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's dtype for every method (auto: bfloat16 on a GPU that supports it, else float32)")
     p.add_argument("--cpu-linear", default="onednn", choices=("onednn", "onednn-unpacked", "default"),
                    help="float32 CPU targets: run every method's linear layers through oneDNN with pre-packed "
-                        "weights (faster at every row count; inference/kernels.py), oneDNN on the weights as "
+                        "weights (faster at every row count; inference/engine/kernels.py), oneDNN on the weights as "
                         "stored, or PyTorch's default MKL path")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--replies", default=None, help="write `ar`'s greedy reply to every prompt here (JSONL of token "
@@ -440,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
-    from inference.kernels import use_onednn_linear
+    from inference.engine.kernels import use_onednn_linear
     from medusa_train.files import atomic_write_text, write_json
     from medusa_train.heads import load_spec
     from medusa_train.target import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from inference.drafters import DraftContext, TreeDrafter
+from inference.engine.drafters import DraftContext, TreeDrafter
 from medusa_train.errors import ArgumentParser
 
 SHAPES = {  # name: (LlamaConfig fields) of random-weight targets shaped like real ones
@@ -95,7 +95,7 @@ def run_oracle(target: nn.Module, prompts: Sequence[torch.Tensor], budgets: Sequ
     torch.compile): the efficiency is then against that, the fastest plain decoding, and `speedup_eager` is over
     eager `generate`."""
     from inference.bench import engine_runner, hf_runner, run_benchmark
-    from inference.generate import SpeculativeGenerator
+    from inference.engine.generator import SpeculativeGenerator
 
     vocab = target.get_output_embeddings().weight.shape[0]
     device = target.get_output_embeddings().weight.device
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from inference.bench import describe_prompts, load_bench_prompts, machine_description, render
-    from inference.kernels import use_onednn_linear
+    from inference.engine.kernels import use_onednn_linear
     from medusa_train.files import write_json
     from medusa_train.target import default_device, resolve_dtype
 

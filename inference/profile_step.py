@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
-from inference.drafters import HeadsDrafter, HybridDrafter
-from inference.generate import PHASES, PhaseClock, Sampling, SpeculativeGenerator
-from inference.kernels import use_onednn_linear
+from inference.engine.drafters import HeadsDrafter, HybridDrafter
+from inference.engine.generator import PHASES, PhaseClock, Sampling, SpeculativeGenerator
+from inference.engine.kernels import use_onednn_linear
 from medusa_train.target import default_device
 
 def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):

@@ -117,3 +117,9 @@ def write_json(path: str | os.PathLike, obj: object) -> None:
     """A results file: its directory made if needed, written atomically, indented, with a final newline."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def cache_root() -> Path:
+    """`$MEDUSA_TRAIN_CACHE`, else `~/.cache/medusa-train`."""
+    env = os.environ.get("MEDUSA_TRAIN_CACHE")
+    return Path(os.path.expanduser(env)) if env else Path.home() / ".cache" / "medusa-train"

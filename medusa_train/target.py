@@ -410,7 +410,7 @@ def target_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 def hidden_with_layers(model: nn.Module, layers: Sequence[int], **forward_kwargs) -> torch.Tensor:
     """`model.base_model(**forward_kwargs).last_hidden_state`, followed on the last dimension by the states at
     `layers` (`capture_layers`) when there are any: the one forward behind training's `target_hidden` and the
-    engine's `inference.verify.target_forward`."""
+    engine's `inference.engine.verify.target_forward`."""
     if not layers:
         return decoder(model)(**forward_kwargs).last_hidden_state
     with capture_layers(model, layers) as states:

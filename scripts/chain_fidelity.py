@@ -18,7 +18,7 @@ import json
 import torch
 
 from inference.bench import load_bench_prompts
-from inference.generate import SpeculativeGenerator
+from inference.engine.generator import SpeculativeGenerator
 from medusa_train.target import target_hidden
 
 

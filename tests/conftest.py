@@ -31,8 +31,8 @@ def own_datasets_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def own_timings_file(tmp_path_factory):
-    """Verify timings kept between processes (`inference.budget.timings_file`) go to a file of the suite's own, never
-    the user's: tests of one tiny shape share it, and the user's timings stay what their machine measured."""
+    """Verify timings kept between processes (`inference.engine.budget.timings_file`) go to a file of the suite's own,
+    never the user's: tests of one tiny shape share it, and the user's timings stay what their machine measured."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEDUSA_TRAIN_TIMINGS", str(tmp_path_factory.mktemp("timings") / "timings.json"))
         yield

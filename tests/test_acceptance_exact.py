@@ -29,11 +29,11 @@ import math
 import pytest
 import torch
 
-import inference.verify as verify
+import inference.engine.verify as verify
 from inference import HeadsDrafter, HybridDrafter
-from inference.drafters import DraftContext
-from inference.tree import graft_branches, tree_from_parents
-from inference.verify import accept_lossless, accept_typical, sample_token, target_probs
+from inference.engine.drafters import DraftContext
+from inference.engine.tree import graft_branches, tree_from_parents
+from inference.engine.verify import accept_lossless, accept_typical, sample_token, target_probs
 
 V = 5
 

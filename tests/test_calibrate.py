@@ -1,4 +1,4 @@
-"""inference.calibrate: online p(node accepted | parent accepted) and the trimming it drives."""
+"""inference.engine.calibrate: online p(node accepted | parent accepted) and the trimming it drives."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from test_inference_greedy import PlantedDrafter, float64_model, greedy_referenc
 from tiny import VOCAB, tiny_tokenizer
 
 from inference import HybridDrafter, NGramDrafter, SpeculativeGenerator
-from inference.calibrate import BOTH, LOOKUP, SCORED, UNSCORED, AcceptanceCalibrator
-from inference.drafters import DraftContext
-from inference.tree import graft_branches, tree_from_parents
+from inference.engine.calibrate import BOTH, LOOKUP, SCORED, UNSCORED, AcceptanceCalibrator
+from inference.engine.drafters import DraftContext
+from inference.engine.tree import graft_branches, tree_from_parents
 
 D, B = 4, 10
 

@@ -1,4 +1,4 @@
-"""The compiled path (`compile=...`, `inference.compiled`): a static KV cache, trees padded to fixed row counts,
+"""The compiled path (`compile=...`, `inference.engine.compiled`): a static KV cache, trees padded to fixed row counts,
 the verify forward compiled per row count. Its output must be the target's greedy output token for token, as the
 eager engine's is. Most tests trace with torch.compile's `aot_eager` backend (the whole graph, no code generation:
 seconds); one compiles with inductor, the default, which generates C++ on the CPU (about 15 s)."""
@@ -12,10 +12,10 @@ from test_inference_greedy import ARCHS, PlantedDrafter, float64_model, greedy_r
 from tiny import VOCAB
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.compiled import BUCKETS, StaticVerifier, bucket, static_mask
-from inference.generate import Sampling
-from inference.kv import cache_tensors
-from inference.tree import tree_attention_mask, tree_from_parents
+from inference.engine.compiled import BUCKETS, StaticVerifier, bucket, static_mask
+from inference.engine.generator import Sampling
+from inference.engine.kv import cache_tensors
+from inference.engine.tree import tree_attention_mask, tree_from_parents
 
 
 def prompt(n: int, seed: int) -> torch.Tensor:
@@ -105,7 +105,7 @@ def test_padded_verify_equals_the_eager_verify_whatever_the_pad_rows_hold():
                              torch.tensor([0, 1, 1, 2, 3]), 3)
     with torch.inference_mode():
         cache = plain_cache(model, ids[0].tolist())
-        from inference.verify import verify_tree
+        from inference.engine.verify import verify_tree
         want, _ = verify_tree(model, cache, tree)
         verifier = StaticVerifier(model, backend="aot_eager")
         verifier.reserve(64)

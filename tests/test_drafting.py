@@ -8,7 +8,7 @@ with a draft vocabulary and with a context encoder, and for eagle3 heads, in sta
 trained by the trainer with a draft vocabulary are checked the same way in a real generation; and heads that
 predict the target's own greedy continuation accept every level of every tree.
 
-Bugs planted in `inference/drafters.py` to check these tests, and what caught each: parallel heads all scoring
+Bugs planted in `inference/engine/drafters.py` to check these tests, and what caught each: parallel heads all scoring
 with head 1's logits (static, dynamic and always-right tests of both parallel kinds); dynamic-tree children
 hung under the wrong frontier node (every dynamic test); draft-vocabulary indices not mapped back to target ids
 (every draft-vocabulary test, the trained one included); a chained head fed a sibling's token instead of its
@@ -26,7 +26,7 @@ from test_inference_greedy import float64_model, greedy_reference
 from tiny import VOCAB, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext, Eagle3Drafter
+from inference.engine.drafters import DraftContext, Eagle3Drafter
 from medusa_train.heads import DraftHeads
 from medusa_train.target import target_hidden
 

@@ -8,7 +8,7 @@ from test_inference_greedy import float64_model, greedy_reference
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext, Eagle3Drafter
+from inference.engine.drafters import DraftContext, Eagle3Drafter
 from medusa_train.config import LossConfig
 from medusa_train.eagle3 import default_aux_layers
 from medusa_train.heads import DraftHeads

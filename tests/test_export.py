@@ -19,7 +19,7 @@ from tiny import save_tiny
 
 from medusa_train.export import main
 from medusa_train.heads import DraftHeads
-from medusa_train.prepare import cache_root
+from medusa_train.files import cache_root
 from medusa_train.target import target_hidden
 
 SPECULATORS = "speculators==0.9.0"

@@ -8,9 +8,9 @@ from test_inference_greedy import ARCHS, PlantedDrafter, float64_model, greedy_r
 from tiny import VOCAB, save_tiny, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext, Drafter
+from inference.engine.drafters import DraftContext, Drafter
 from inference.generate import main
-from inference.tree import graft_branches, subtree, tree_from_parents, trim_keep
+from inference.engine.tree import graft_branches, subtree, tree_from_parents, trim_keep
 
 
 def _tree(tokens, parents, depth):
@@ -249,7 +249,7 @@ def test_the_platform_decides_once_what_a_step_may_read_on_the_host():
     read of the tree), and the output is still the target's."""
     from dataclasses import replace
 
-    from inference.budget import Platform
+    from inference.engine.budget import Platform
 
     model = float64_model("llama", seed=4)
     prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])

@@ -9,9 +9,9 @@ from test_inference_greedy import PlantedDrafter, float64_model, greedy_referenc
 from tiny import VOCAB
 
 from inference import HeadsDrafter, SpeculativeGenerator
-from inference.generate import Sampling
-from inference.kv import cache_length, cache_tensors, compact_cache, new_cache
-from inference.verify import target_forward
+from inference.engine.generator import Sampling
+from inference.engine.kv import cache_length, cache_tensors, compact_cache, new_cache
+from inference.engine.verify import target_forward
 
 
 
@@ -74,7 +74,7 @@ def test_the_cache_goes_in_by_the_keyword_the_model_takes(arch):
     import inspect
     import warnings
 
-    from inference.kv import cache_kwargs
+    from inference.engine.kv import cache_kwargs
 
     model = float64_model(arch)
     takes = "cache" if "cache" in inspect.signature(type(model.base_model).forward).parameters else "past_key_values"

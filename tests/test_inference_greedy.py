@@ -14,7 +14,7 @@ import torch
 from tiny import VOCAB, tiny_model, tiny_tokenizer
 
 from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
-from inference.drafters import DraftContext
+from inference.engine.drafters import DraftContext
 from medusa_train.heads import DraftHeads
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]

@@ -11,13 +11,14 @@ import torch
 from test_inference_greedy import float64_model, greedy_reference, random_heads
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
-import inference.budget as budget_timing
+import inference.engine.budget as budget_timing
 from inference import BigramDrafter, HeadsDrafter, NGramDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext, load_topk_accuracy
-from inference.budget import LENGTHS_CPU as AUTO_BUDGET_LENGTHS_CPU
+from inference.engine.drafters import DraftContext, load_topk_accuracy
+from inference.engine.budget import LENGTHS_CPU as AUTO_BUDGET_LENGTHS_CPU
 from inference.generate import main
-from inference.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve, select_dynamic_tree,
-                            static_tree_search, topology_from_paths, tree_attention_mask, tree_position_ids)
+from inference.engine.tree import (ancestor_matrix, complete_paths, expected_tau, expected_tau_curve,
+                                   select_dynamic_tree, static_tree_search, topology_from_paths, tree_attention_mask,
+                                   tree_position_ids)
 
 
 
@@ -267,7 +268,7 @@ def test_verify_timings_are_kept_between_processes_and_remeasured_when_the_key_c
     """Timed once per model shape, dtype and machine, said when it happens, kept in the timings file: a second
     process (here: the in-memory timings forgotten) reads them instead of timing again; another dtype, or a
     remeasure, times again."""
-    import inference.budget as budget_timing
+    import inference.engine.budget as budget_timing
 
     monkeypatch.setenv("MEDUSA_TRAIN_TIMINGS", str(tmp_path / "timings.json"))
     model = float64_model("llama", seed=4)
@@ -302,7 +303,7 @@ def test_verify_timings_are_kept_between_processes_and_remeasured_when_the_key_c
 def fake_timed_verify(monkeypatch, delay_calls: set[int]) -> dict[int, float]:
     """verify_seconds on a fake clock: a verify of n rows takes 1 + 0.1 n ms, plus 50 ms on the calls numbered in
     `delay_calls` (another process taking the cores while the target is timed). Returns the timings."""
-    import inference.budget as budget_timing
+    import inference.engine.budget as budget_timing
 
     clock = [0.0]
     calls = [0]
@@ -325,7 +326,7 @@ def test_a_burst_of_load_while_timing_does_not_move_the_budget(monkeypatch):
     another process that takes the cores for up to 4 whole rounds (here: rounds 2 to 5, every length 50 ms slower)
     leaves the timings, hence the tree budget, exactly as undisturbed; a slowdown in every round is real load
     and moves them."""
-    from inference.budget import LENGTHS_CPU, best_budget, verify_costs
+    from inference.engine.budget import LENGTHS_CPU, best_budget, verify_costs
 
     clean = fake_timed_verify(monkeypatch, set())
     per_round = len(LENGTHS_CPU)
@@ -342,7 +343,7 @@ def test_steps_that_drift_from_the_timing_trigger_a_new_timing(capsys):
     """The budget was chosen from timings 100x too fast for this machine now (taken while it was idle, or kept from
     another state of it): after a window of CPU steps whose verify ran far slower than predicted the generator says
     so and times again at the next call, once per target; steps in line with the timing do not."""
-    from inference.budget import Drift
+    from inference.engine.budget import Drift
 
     def planted(gen, drafting: bool):
         """Timings 100x too fast; with `drafting`, free drafting too, so the budget drafts (tree steps), else it is 0

@@ -1,4 +1,4 @@
-"""The CPU kernel choices (inference/kernels.py). oneDNN linears: same numbers as F.linear up to float32
+"""The CPU kernel choices (inference/engine/kernels.py). oneDNN linears: same numbers as F.linear up to float32
 rounding, packed or not, packed weights follow weight changes, gradients and other dtypes keep F.linear, and
 greedy speculation stays exact when every method uses it. Tree attention: grouped-query heads read in place
 give the logits of transformers' own sdpa path, and the model's attention setting is restored."""
@@ -14,11 +14,11 @@ from test_inference_greedy import greedy_reference, random_heads
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, NGramDrafter, SpeculativeGenerator
-from inference import kernels
-from inference.kernels import TREE_SDPA, tree_attention, use_onednn_linear, uses_onednn_linear
-from inference.kv import cache_length, crop_cache, new_cache
-from inference.tree import tree_attention_mask, tree_from_parents, tree_position_ids
-from inference.verify import target_forward, verify_tree
+from inference.engine import kernels
+from inference.engine.kernels import TREE_SDPA, tree_attention, use_onednn_linear, uses_onednn_linear
+from inference.engine.kv import cache_length, crop_cache, new_cache
+from inference.engine.tree import tree_attention_mask, tree_from_parents, tree_position_ids
+from inference.engine.verify import target_forward, verify_tree
 
 
 @pytest.mark.parametrize("pack", [True, False])

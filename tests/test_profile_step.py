@@ -8,7 +8,7 @@ from test_inference_greedy import greedy_reference, random_heads
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.generate import PHASES, GenerationStats, PhaseClock, Sampling
+from inference.engine.generator import PHASES, GenerationStats, PhaseClock, Sampling
 from inference.profile_step import profile_generator
 
 

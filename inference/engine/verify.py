@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from inference.kernels import tree_attention
-from inference.kv import cache_kwargs, cache_length
-from inference.tree import Tree, tree_attention_mask, tree_position_ids
+from inference.engine.kernels import tree_attention
+from inference.engine.kv import cache_kwargs, cache_length
+from inference.engine.tree import Tree, tree_attention_mask, tree_position_ids
 from medusa_train.target import decoder, final_logits, hidden_with_layers
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)

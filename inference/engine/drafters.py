@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.kernels import use_onednn_linear
-from inference.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
-                            select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
+from inference.engine.kernels import use_onednn_linear
+from inference.engine.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
+                                   select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
 from medusa_train.target import logit_transform
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
@@ -48,7 +48,7 @@ class DraftContext:
     tokens: the whole sequence on the host, prompt + generated, root included.
     tree: "static" | "dynamic" | explicit rank paths. budget: max draft nodes (root excluded).
     trimmed: the generator will cut the tree to the nodes worth their verify rows by their calibrated
-    probability of acceptance (`inference.calibrate`; a CPU with the auto budget), so a drafter that combines
+    probability of acceptance (`inference.engine.calibrate`; a CPU with the auto budget), so a drafter that combines
     sources may propose more than `budget` nodes and let that choose.
     """
 
@@ -59,7 +59,7 @@ class DraftContext:
     budget: int
     trimmed: bool = False
     host_reads: bool = True
-    """Whether the drafter may read the tree on the host (`inference.budget.Platform`: on a CPU, not on a GPU,
+    """Whether the drafter may read the tree on the host (`inference.engine.budget.Platform`: on a CPU, not on a GPU,
     where the step keeps its single sync)."""
 
 

@@ -9,7 +9,7 @@ replays in one launch.
 
 - The tree is padded to B rows: pad rows hold token 0 at the root's position and attend to the prefix and to
   themselves only; no real node attends to them, and their cache entries, written after the real nodes', are
-  dropped by the compaction like any rejected node's (`inference.kv.compact_cache`).
+  dropped by the compaction like any rejected node's (`inference.engine.kv.compact_cache`).
 - The attention mask covers the whole capacity: [1, 1, B, capacity], built inside the compiled function from
   the prefix length (a 0-d tensor, so a new length is new data, not a new graph) and the tree's ancestors.
 - The cache's capacity is reserved per `generate` call (prompt + new tokens + room for a tree), rounded up to
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from inference.kernels import undo_onednn_linear
-from inference.kv import cache_kwargs, new_static_cache, set_static_length
-from inference.tree import Tree
+from inference.engine.kernels import undo_onednn_linear
+from inference.engine.kv import cache_kwargs, new_static_cache, set_static_length
+from inference.engine.tree import Tree
 from medusa_train.target import decoder, final_logits, hidden_with_layers
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # verify row counts compiled for (a tree is padded to the next)

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from inference.kv import crop_cache, new_cache
-from inference.tree import tree_from_parents
-from inference.verify import target_forward, verify_tree
+from inference.engine.kv import crop_cache, new_cache
+from inference.engine.tree import tree_from_parents
+from inference.engine.verify import target_forward, verify_tree
 
 # every length up to 16 on a CPU: the cost is a staircase there (MKL: 69 ms for 8 tokens, 80 for 10)
 LENGTHS_CPU = tuple(range(1, 17)) + (24, 32)
@@ -42,7 +42,7 @@ class Platform:
     """The engine's device-dependent choices, made once.
 
     host_trim: with the auto budget, each step keeps only the drafted nodes worth their verify rows
-        (`inference.calibrate`): on a CPU every row costs time, and reading how many to keep is a host read
+        (`inference.engine.calibrate`): on a CPU every row costs time, and reading how many to keep is a host read
         that a CPU makes for free; on a GPU rows are nearly free up to tens and the read would be a sync.
     host_reads: drafters may read the tree on the host (HybridDrafter merges the lookup's branch into the
         heads' nodes); on a GPU they append it as is and the step keeps its single sync.
@@ -71,7 +71,7 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
     measured once per target (the least disturbed of 5 runs, round-robin over lengths so a burst of noise hits
     them all alike) and shared; `forget_verify_seconds` measures again. `limit`: the target's context.
     `static`: a `StaticVerifier` (a compiled generator's): its compiled verify is timed instead, at the row
-    counts it runs (`inference.compiled.BUCKETS`) up to the longest of `platform.lengths`, and kept with it."""
+    counts it runs (`inference.engine.compiled.BUCKETS`) up to the longest of `platform.lengths`, and kept with it."""
     owner = static if static is not None else target
     times = _VERIFY_SECONDS.get(owner)
     if times is not None:
@@ -86,7 +86,7 @@ def verify_seconds(target: nn.Module, platform: Platform, limit: int | None = No
           flush=True)
     lengths = platform.lengths
     if static is not None:
-        from inference.compiled import BUCKETS
+        from inference.engine.compiled import BUCKETS
 
         lengths = tuple(b for b in BUCKETS if b <= max(lengths))
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -131,7 +131,7 @@ def timings_file() -> Path | None:
         return None
     if where:
         return Path(os.path.expanduser(where))
-    from medusa_train.prepare import cache_root
+    from medusa_train.files import cache_root
 
     return cache_root() / "timings.json"
 
@@ -148,7 +148,7 @@ def verify_key(target: nn.Module, platform: Platform, limit: int | None, static=
 def timing_key(target: nn.Module, platform: Platform, limit: int | None, static=None) -> str:
     """What a verify's time depends on: the model's shape (its config, not its weights), dtype, device and kernels,
     the compiled path, the row counts timed, and the machine (processor, threads, torch). Any change: a new key."""
-    from inference.kernels import uses_onednn_linear
+    from inference.engine.kernels import uses_onednn_linear
 
     config = target.config.to_dict()
     config.pop("_name_or_path", None)

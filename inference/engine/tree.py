@@ -39,7 +39,7 @@ class Tree:
     scores: [N] float or None, the drafter's cumulative log-probability of each node's path (root 0), where
     the drafter scores its candidates; NaN for nodes another source added (n-gram lookup grafted on).
     lookup: [N] long or None, for nodes an n-gram lookup proposed the length of the n-gram it matched (0 for
-    the others); `inference.calibrate` learns how often each kind of node is accepted.
+    the others); `inference.engine.calibrate` learns how often each kind of node is accepted.
     """
 
     tokens: torch.Tensor

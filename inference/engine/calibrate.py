@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from inference.tree import Tree, best_nodes, subtree
+from inference.engine.tree import Tree, best_nodes, subtree
 
 KINDS = ("scored", "lookup", "both", "unscored")
 SCORED, LOOKUP, BOTH, UNSCORED = range(len(KINDS))

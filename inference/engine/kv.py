@@ -25,7 +25,7 @@ def new_cache() -> DynamicCache:
 
 
 def new_static_cache(model: nn.Module, capacity: int) -> StaticCache:
-    """A preallocated cache of `capacity` positions per layer (`inference.compiled`): its tensors never move, so
+    """A preallocated cache of `capacity` positions per layer (`inference.engine.compiled`): its tensors never move, so
     compiled forwards and CUDA graphs write into them in place. Allocated now, on the model's device and dtype,
     not at the first write."""
     from medusa_train.target import text_config
