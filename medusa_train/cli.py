@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -44,34 +43,6 @@ MEANINGS = {0: "finished, heads saved", 1: "diverged, the last good checkpoint k
             EXIT_STOPPED: "stopped by a signal after saving a checkpoint: rerun to resume"}
 
 
-def launcher_argv() -> list[str] | None:
-    """The command line of the launcher that started this process (`accelerate launch`, `torchrun`, `python -m
-    torch.distributed.run`), read from /proc; None when the parent is something else (a shell, nohup) or on a
-    system without /proc."""
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return None
-    head = " ".join(argv[:4])
-    launched = any(w in head for w in ("accelerate", "torchrun", "torch.distributed.run", "torch/distributed/run"))
-    return argv if launched else None
-
-
-def die_with_launcher() -> None:
-    """Linux: have the kernel send this process SIGTERM when its parent (the launcher) dies, so that SIGTERM to the
-    launcher alone still reaches the trainer, which saves and stops, instead of running on as an orphan."""
-    launcher = os.getppid()  # (it may be PID 1 itself, in a container)
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: nothing to ask for
-        return
-    if os.getppid() != launcher:  # the launcher died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def finish(code: int, output_dir: str | None) -> int:
     """Say the exit code in the last line and in output_dir/exit_status.json (first process only): launchers do not
     pass it on."""
@@ -87,6 +58,8 @@ def finish(code: int, output_dir: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 finished, 1 diverged, 2 bad input, 75 stopped by a signal: resume)."""
     args = build_parser().parse_args(argv)
+    from .processes import die_with_launcher, launcher_argv
+
     if launcher_argv() is not None:
         die_with_launcher()
     first = int(os.environ.get("RANK", "0")) == 0

@@ -25,7 +25,8 @@ from medusa_train.joint import JointObjective, add_lora
 from medusa_train.losses import HeadsObjective
 from medusa_train.target import load_model, load_tokenizer
 from medusa_train.target_states import TargetStates
-from medusa_train.trainer import param_groups, setup_forward_target, setup_heads
+from medusa_train.optim import param_groups
+from medusa_train.run import setup_forward_target, setup_heads
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from test_train import config, ws  # noqa: F401  (the tiny training workspace fi
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, SpeculativeGenerator
-from inference.drafters import DraftContext
+from inference.engine.drafters import DraftContext
 from medusa_train.heads import DraftHeads
 from medusa_train.trainer import train
 
@@ -103,17 +103,17 @@ def test_drafting_without_history_is_refused():
 
 
 def test_training_moves_every_context_parameter(ws, monkeypatch):  # noqa: F811
-    import medusa_train.trainer as trainer
+    import medusa_train.run as run_setup
 
     initial = {}
-    setup = trainer.setup_heads
+    setup = run_setup.setup_heads
 
     def recording(*a, **kw):
         heads = setup(*a, **kw)
         initial.update({n: p.detach().clone() for n, p in heads.named_parameters()})
         return heads
 
-    monkeypatch.setattr(trainer, "setup_heads", recording)
+    monkeypatch.setattr(run_setup, "setup_heads", recording)
     cfg = config(ws, "ctx", "heads.context_layers=1", "train.max_steps=8", "eval.every=0")
     result = train(cfg)
     trained = dict(result.heads.named_parameters())

@@ -17,7 +17,9 @@ from runs import write_text_data, torchrun_train
 from safetensors.torch import load_file
 from test_inference_greedy import greedy_reference
 
-import medusa_train.trainer as trainer
+import medusa_train.optim as optim
+import medusa_train.processes as processes
+import medusa_train.run as run_setup
 from inference import SpeculativeGenerator
 from medusa_train.cli import main
 from medusa_train.config import ConfigError, LoraSettings, LossConfig, load_config
@@ -64,16 +66,16 @@ def base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def initial_adapters():
     """Every add_lora call's adapters as they were made, recorded by a wrapper (in call order)."""
     made: list[dict[str, torch.Tensor]] = []
-    real = trainer.add_lora
+    real = run_setup.add_lora
 
     def recording(target, settings):
         peft = real(target, settings)
         made.append(adapter_state(peft.get_base_model()))
         return peft
 
-    trainer.add_lora = recording
+    run_setup.add_lora = recording
     yield made
-    trainer.add_lora = real
+    run_setup.add_lora = real
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def test_the_kl_term_is_logged_and_grows_from_zero_once_the_adapters_train(ws, j
     # the lr logged at a step is the next step's: the adapters' schedule starts after the warm-up, warmup_steps 1
     assert [r["train/adapter_lr"] for r in logged[:2]] == [1.0e-2, pytest.approx(
         1.0e-2 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.2))))]  # step 4: 2 past the warm-up, cosine 1/5 done
-    assert [trainer.adapter_schedule(s, 2, 1, 8, 0.1) for s in range(3)] == [0.0, 0.0, 1.0]
+    assert [optim.adapter_schedule(s, 2, 1, 8, 0.1) for s in range(3)] == [0.0, 0.0, 1.0]
     assert all(r["train/lm_kl"] > 0 for r in logged[1:])
     held_out = [r for r in rows(ws / "joint8") if "eval/lm_kl" in r]
     assert held_out and held_out[-1]["eval/lm_kl"] > 0 and held_out[-1]["eval/expected_tau"] >= 1
@@ -353,7 +355,7 @@ def test_joint_training_refuses_sharded_launches_in_one_line(kind):
     from accelerate.utils import DistributedType
 
     with pytest.raises(ConfigError, match=f"target.lora runs on one process or under DDP, not {kind}") as err:
-        trainer.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[kind]))
+        processes.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[kind]))
     assert "\n" not in str(err.value)
     for fine in ("NO", "MULTI_CPU", "MULTI_GPU"):
-        trainer.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[fine]))
+        processes.check_joint_distributed(SimpleNamespace(distributed_type=DistributedType[fine]))

@@ -296,7 +296,7 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
 
 
 def test_warmup_cosine_schedule():
-    from medusa_train.trainer import warmup_cosine
+    from medusa_train.optim import warmup_cosine
 
     lr = [warmup_cosine(s, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(11)]
     assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
@@ -531,7 +531,7 @@ def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, t
 
 def test_weight_decay_shrinks_matrices_and_leaves_biases_and_norm_scales():
     from medusa_train.heads import HeadsSpec
-    from medusa_train.trainer import param_groups
+    from medusa_train.optim import param_groups
 
     heads = DraftHeads(HeadsSpec(kind="chained", num_heads=2, hidden_size=64, vocab_size=100, context_layers=1))
     with torch.no_grad():
@@ -682,10 +682,10 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     target's positions: each a one-line ConfigError before any model loads (with save_every=0 an unwritable
     output_dir used to surface only after the whole run, at its first write)."""
     import medusa_train.preflight as preflight
-    import medusa_train.trainer as trainer
+    import medusa_train.run as run_setup
     from medusa_train.config import ConfigError
 
-    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"^output_dir=.*a-file is a file, not a directory"):
@@ -710,12 +710,12 @@ def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, mo
     layers (LFM2's convolutions) stop with one line naming the model type; eagle3 heads on OPT find its decoder
     layers one level down (model.decoder.layers) and pass."""
     import medusa_train.preflight as preflight
-    import medusa_train.trainer as trainer
+    import medusa_train.run as run_setup
     from medusa_train.config import ConfigError
 
     from archs import tiny_config
 
-    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     for name, overrides, message in [("bloom", {}, "bloom: its ALiBi position bias"),
                                      ("lfm2", dict(layer_types=["conv", "full_attention"]), "lfm2: its conv layers")]:
         tiny_config(name, **overrides).save_pretrained(tmp_path / name)

@@ -1,0 +1,186 @@
+"""A training run, built from a recipe: `setup` makes the Accelerator, the data, the target, the heads, the
+objective, the optimizer and its schedule, then resumes from the newest checkpoint when the recipe says so. The
+`Run` it returns is everything the loop (`trainer.py`) reads."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from .checkpoints import METRICS_NAME, check_resumable, remove_stale_files, resume, resume_checkpoint
+from .config import Config, ConfigError
+from .data import build_datasets, collate, select_draft_vocab, token_counts
+from .heads import DraftHeads
+from .joint import JointObjective, add_lora
+from .losses import HeadsObjective
+from .metrics import setup_tracking
+from .optim import build_optimizer
+from .preflight import check_before_loading
+from .processes import check_joint_distributed, say_processes, setup_accelerator
+from .target import load_model, load_tokenizer, logit_transform, target_fingerprint
+from .target_states import TargetStates
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, built once by `setup`. `position` is where training stands (the part of a
+    checkpoint that is not Accelerate's state)."""
+
+    cfg: Config
+    accelerator: Any
+    target: torch.nn.Module
+    states: TargetStates  # (h, greedy) per batch: the frozen target's forward, or its cache
+    heads: DraftHeads  # unwrapped, for eval and saving
+    objective: torch.nn.Module  # heads + loss, as prepared by Accelerate (DDP/FSDP-wrapped)
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    eval_dl: Any | None
+    total_steps: int
+    peft: Any = None  # target.lora: the PeftModel around the target (whose base model `target` is)
+    position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
+                                                              "tokens": 0})
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.target.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.target.get_output_embeddings()
+
+
+def setup(cfg: Config) -> Run:
+    """Accelerator, data (its errors surface before the model loads), target, heads, optimizer, schedule, then
+    the newest checkpoint if `cfg.resume` says so."""
+    from accelerate.utils import set_seed
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        remove_stale_files(cfg.output_dir)
+    ckpt = resume_checkpoint(cfg)
+    allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
+    check_before_loading(cfg)
+    accelerator = setup_accelerator(cfg)
+    say_processes(accelerator)
+    for change in allowed:
+        accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
+    set_seed(cfg.train.seed)
+
+    tokenizer = load_tokenizer(cfg.target)
+    with accelerator.main_process_first():  # the datasets cache is written once, then reused
+        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
+    if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
+                      f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
+    dropped = info["dropped"] + info["eval_dropped"]
+    if dropped:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(info["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        accelerator.print(f"data: {dropped} rows dropped ({reasons})")
+    if accelerator.is_main_process and ckpt is None:  # what training saw, in the run's own record (once a run)
+        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
+                                "data/tokens": info["tokens"], "data/dropped": dropped,
+                                "data/drop_reasons": info["drop_reasons"]}) + "\n")
+    target = load_model(cfg.target, accelerator.device)
+    peft = None
+    if cfg.target.lora.r:
+        check_joint_distributed(accelerator)
+        peft = add_lora(target, cfg.target.lora)
+        target = peft.get_base_model()  # the same model, with the adapters in its layers
+    forward_target = setup_forward_target(cfg, target, accelerator.device)
+    heads = setup_heads(cfg, target, train_ds)
+    n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    n_target = sum(p.numel() for p in target.parameters())
+    n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
+        f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
+        if peft is not None else f"target frozen ({n_target:,} params)"))
+    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
+                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
+                          layers=heads.spec.aux_layers)
+    if states.rows:
+        accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
+
+    if peft is None:
+        objective = HeadsObjective(heads, cfg.loss, logit_transform(target.config))
+    else:
+        objective = JointObjective(heads, peft, cfg.loss)
+    train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
+    # prepare() shards batches across processes (padded to equal length): batches per process per epoch
+    steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    optimizer, scheduler = build_optimizer(cfg, heads, objective.adapters if peft is not None else None, total_steps)
+    objective, optimizer, train_dl, scheduler = accelerator.prepare(objective, optimizer, train_dl, scheduler)
+    if eval_dl is not None:
+        eval_dl = accelerator.prepare(eval_dl)
+    setup_tracking(accelerator, cfg)
+    run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
+              scheduler, train_dl, eval_dl, total_steps, peft=peft)
+    resume(run, ckpt)
+    return run
+
+
+def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
+    """Fresh heads for `target` per `cfg.heads` (a draft vocabulary drawn from `train_ds`), or warm-started ones."""
+    h = cfg.heads
+    if h.init_from:
+        return _warm_start_heads(cfg, target)
+    draft_ids = None
+    if h.draft_vocab_size:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        always = [i for i in (target.config.eos_token_id, getattr(target.config, "bos_token_id", None))
+                  if isinstance(i, int)]
+        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab_size, always)
+    heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
+                                  draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
+                                  context_layers=h.context_layers, aux_layers=h.aux_layers or None)
+    return heads.to(target.device)
+
+
+def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
+    """heads.init_from: trained heads, checked against this target and against the recipe's heads.* keys."""
+    h = cfg.heads
+    try:
+        heads = DraftHeads.from_pretrained(h.init_from, target)
+    except ValueError as e:  # HeadsMismatchError (another target) or not a heads directory
+        raise ConfigError(f"heads.init_from={h.init_from}: {e}") from None
+    spec = heads.spec
+    differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
+              for key in ("kind", "num_heads", "layers_per_head", "block", "own_embed", "own_lm_head",
+                          "draft_vocab_size", "context_layers") if getattr(h, key) != getattr(spec, key)]
+    if h.aux_layers and h.aux_layers != spec.aux_layers:
+        differ.append(f"heads.aux_layers={h.aux_layers!r} but those heads have {spec.aux_layers!r}")
+    if differ:
+        raise ConfigError(f"heads.init_from={h.init_from} does not match the recipe: " + "; ".join(differ)
+                          + ". Set those keys to the heads' values (their config.json), or drop heads.init_from")
+    return heads.to(target.device)
+
+
+def setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.nn.Module:
+    """The model whose forward gives h in training: the target itself, or (target.forward_dtype) a second
+    frozen copy in another dtype."""
+    if cfg.target.forward_dtype == "same":
+        return target
+    dtype = getattr(torch, cfg.target.forward_dtype)
+    if dtype == target.dtype:
+        return target
+    return load_model(cfg.target, device, dtype)
+
+
+def setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
+    per_process = cfg.train.batch_size // accelerator.num_processes
+    fn = partial(collate, pad_token_id=pad_token_id)
+    train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
+    eval_dl = DataLoader(eval_ds, batch_size=per_process, shuffle=False, collate_fn=fn) if eval_ds else None
+    return train_dl, eval_dl
