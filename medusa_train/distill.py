@@ -30,106 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import torch
 
 from .chat import render_prompt
-from .config import ConfigError, DataConfig, load_config
+from .config import ConfigError, load_config
 from .target import eos_ids
 from .errors import ArgumentParser
+from .prompts import Prompt, exclude_prompts, load_prompts
 
 Order = Literal["file", "shortest", "longest"]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    text: str
-
-
-# ---------------------------------------------------------------------------------------------------
-# Prompt pools
-
-
-def _row_id(row: dict, index: int, prefix: str) -> str:
-    for key in ("id", "question_id", "uid", "prompt_id"):
-        if row.get(key) is not None and str(row[key]).strip():
-            return str(row[key])
-    return f"{prefix}-{index}"
-
-
-def _user_turns(row: dict) -> list[str]:
-    """Every user turn of a row (MT-Bench `turns`, a conversation's user messages, or its prompt)."""
-    from .formats import prompt_of, rows_to_messages
-
-    if isinstance(row.get("turns"), list):
-        return [t for t in row["turns"] if isinstance(t, str) and t.strip()]
-    try:
-        msgs = rows_to_messages(row) or []
-    except ConfigError:
-        msgs = []
-    turns = [m["content"] for m in msgs if m["role"] == "user" and m["content"].strip()]
-    if not turns and (p := prompt_of(row)):
-        turns = [p]
-    return turns
-
-
-def _load_rows(source: str) -> list[dict]:
-    from .data import load_raw
-
-    return list(load_raw(DataConfig(dataset=source)))
-
-
-def load_prompts(source: str) -> list[Prompt]:
-    """The pool named by `source`: `default` (the offline pool) or a dataset; first user turns, non-blank,
-    first occurrence of each distinct text. Ids come from the row (`id`, `question_id`, `uid`) or its index."""
-    if source == "default":
-        from .prompts import default_prompts
-
-        return [Prompt(i, t) for i, t in default_prompts("train")]
-    from .formats import prompt_of
-
-    rows = _load_rows(source)
-    prefix = Path(source).stem if Path(source).exists() else source.replace("/", "_")
-    seen: set[str] = set()
-    out = []
-    for i, row in enumerate(rows):
-        text = prompt_of(row)
-        if text is None or text in seen:
-            continue
-        seen.add(text)
-        out.append(Prompt(_row_id(row, i, prefix), text))
-    if not out:
-        raise ConfigError(f"--prompts {source}: no row holds a prompt (looked for messages, conversations, "
-                          "prompt/question/instruction and turns columns)")
-    return out
-
-
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip().lower()
-
-
-def exclude_prompts(prompts: list[Prompt], exclude_files: Iterable[str], min_contained: int = 40) -> list[Prompt]:
-    """Drop prompts equal (up to case and whitespace) to any user turn in `exclude_files`, or containing
-    one of at least `min_contained` characters (a benchmark question pasted into a longer prompt)."""
-    banned: set[str] = set()
-    for f in exclude_files:
-        for row in _load_rows(f):
-            banned.update(_normalise(t) for t in _user_turns(row))
-    long_banned = [b for b in banned if len(b) >= min_contained]
-    keep = []
-    for p in prompts:
-        n = _normalise(p.text)
-        if n in banned or any(b in n for b in long_banned):
-            continue
-        keep.append(p)
-    return keep
 
 
 # ---------------------------------------------------------------------------------------------------

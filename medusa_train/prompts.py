@@ -1,4 +1,7 @@
-"""The offline default prompt pool: a prompt set the project writes itself, so the main job needs no data.
+"""Prompt pools: the prompts replies are distilled from and benchmarks are run on. `load_prompts` reads any
+dataset's first user turns (or this offline pool, `default`); `exclude_prompts` drops benchmark prompts from a pool.
+
+The offline default prompt pool is a prompt set the project writes itself, so the main job needs no data.
 
 Heads learn the target's habits, so the pool should look like what users ask a chat model: explanations,
 writing, advice, comparisons, role play, short maths and code. We build it from task templates x topics,
@@ -15,7 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Literal
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+from .config import DataConfig
+from .errors import ConfigError
 
 Split = Literal["train", "heldout", "all"]
 
@@ -136,3 +145,86 @@ def default_prompts(split: Split = "train") -> list[tuple[str, str]]:
     train, held = _build()
     texts = {"train": train, "heldout": held, "all": train + held}[split]
     return [(_id(t), t) for t in texts]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pools read from a dataset
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+def _row_id(row: dict, index: int, prefix: str) -> str:
+    for key in ("id", "question_id", "uid", "prompt_id"):
+        if row.get(key) is not None and str(row[key]).strip():
+            return str(row[key])
+    return f"{prefix}-{index}"
+
+
+def _user_turns(row: dict) -> list[str]:
+    """Every user turn of a row (MT-Bench `turns`, a conversation's user messages, or its prompt)."""
+    from .formats import prompt_of, rows_to_messages
+
+    if isinstance(row.get("turns"), list):
+        return [t for t in row["turns"] if isinstance(t, str) and t.strip()]
+    try:
+        msgs = rows_to_messages(row) or []
+    except ConfigError:
+        msgs = []
+    turns = [m["content"] for m in msgs if m["role"] == "user" and m["content"].strip()]
+    if not turns and (p := prompt_of(row)):
+        turns = [p]
+    return turns
+
+
+def _load_rows(source: str) -> list[dict]:
+    from .data import load_raw
+
+    return list(load_raw(DataConfig(dataset=source)))
+
+
+def load_prompts(source: str) -> list[Prompt]:
+    """The pool named by `source`: `default` (the offline pool) or a dataset; first user turns, non-blank,
+    first occurrence of each distinct text. Ids come from the row (`id`, `question_id`, `uid`) or its index."""
+    if source == "default":
+        return [Prompt(i, t) for i, t in default_prompts("train")]
+    from .formats import prompt_of
+
+    rows = _load_rows(source)
+    prefix = Path(source).stem if Path(source).exists() else source.replace("/", "_")
+    seen: set[str] = set()
+    out = []
+    for i, row in enumerate(rows):
+        text = prompt_of(row)
+        if text is None or text in seen:
+            continue
+        seen.add(text)
+        out.append(Prompt(_row_id(row, i, prefix), text))
+    if not out:
+        raise ConfigError(f"--prompts {source}: no row holds a prompt (looked for messages, conversations, "
+                          "prompt/question/instruction and turns columns)")
+    return out
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def exclude_prompts(prompts: list[Prompt], exclude_files: Iterable[str], min_contained: int = 40) -> list[Prompt]:
+    """Drop prompts equal (up to case and whitespace) to any user turn in `exclude_files`, or containing
+    one of at least `min_contained` characters (a benchmark question pasted into a longer prompt)."""
+    banned: set[str] = set()
+    for f in exclude_files:
+        for row in _load_rows(f):
+            banned.update(_normalise(t) for t in _user_turns(row))
+    long_banned = [b for b in banned if len(b) >= min_contained]
+    keep = []
+    for p in prompts:
+        n = _normalise(p.text)
+        if n in banned or any(b in n for b in long_banned):
+            continue
+        keep.append(p)
+    return keep

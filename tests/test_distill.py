@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from medusa_train import distill as D
+from medusa_train import prompts as P
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
-PROMPTS = [D.Prompt(f"p{i}", text) for i, text in enumerate(
+PROMPTS = [P.Prompt(f"p{i}", text) for i, text in enumerate(
     ["hi", "What is the capital of France?", "Write a haiku about the sea, please.", "2+2?", "Tell me a joke"])]
 
 
@@ -91,7 +92,7 @@ def test_rerun_under_other_ids_skips_prompts_already_answered(tmp_path, monkeypa
     model, tok = tiny_model("llama", seed=2), tiny_tokenizer()
     out = tmp_path / "d.jsonl"
     D.distill(model, tok, PROMPTS[:3], out, max_new_tokens=4, batch_size=2, progress=False)
-    renamed = [D.Prompt(id="other-" + p.id, text=p.text) for p in PROMPTS]
+    renamed = [P.Prompt(id="other-" + p.id, text=p.text) for p in PROMPTS]
     seen = spy_batches(monkeypatch)
     counts = D.distill(model, tok, renamed, out, max_new_tokens=4, batch_size=8, progress=False)
     assert seen == [len(PROMPTS) - 3] and counts["done_before"] == 3 and counts["written"] == len(PROMPTS) - 3
@@ -131,18 +132,18 @@ def test_load_prompts_formats_and_exclude(tmp_path):
                 {"id": "d", "conversations": [{"from": "human", "value": "Compose a travel blog post"},
                                               {"from": "gpt", "value": "..."}]}]
     (tmp_path / "sg.json").write_text(json.dumps(sharegpt))
-    got = D.load_prompts(str(tmp_path / "sg.json"))
+    got = P.load_prompts(str(tmp_path / "sg.json"))
     assert [(p.id, p.text) for p in got] == [("a", "Explain  gravity"), ("d", "Compose a travel blog post")]
 
     (tmp_path / "q.jsonl").write_text("\n".join(json.dumps({"question": q}) for q in ["one?", "two?"]))
-    assert [(p.id, p.text) for p in D.load_prompts(str(tmp_path / "q.jsonl"))] == [("q-0", "one?"), ("q-1", "two?")]
+    assert [(p.id, p.text) for p in P.load_prompts(str(tmp_path / "q.jsonl"))] == [("q-0", "one?"), ("q-1", "two?")]
 
     bench = [{"question_id": 81, "turns": ["compose a TRAVEL blog post", "Now shorter."]},
              {"question_id": 82, "turns": ["Something else entirely, and at least forty characters long."]}]
     (tmp_path / "mt.jsonl").write_text("\n".join(json.dumps(b) for b in bench))
-    pool = got + [D.Prompt("e", "Now shorter."), D.Prompt("f", "Please: Something else entirely, and at least "
+    pool = got + [P.Prompt("e", "Now shorter."), P.Prompt("f", "Please: Something else entirely, and at least "
                                                                "forty characters long. Thanks")]
-    kept = D.exclude_prompts(pool, [str(tmp_path / "mt.jsonl")])
+    kept = P.exclude_prompts(pool, [str(tmp_path / "mt.jsonl")])
     assert [p.id for p in kept] == ["a"]
 
 
@@ -153,7 +154,7 @@ def test_default_pool_is_offline_and_disjoint_from_heldout():
     assert len(train) >= 1000 and len(held) >= 40
     assert len({i for i, _ in train}) == len(train)
     assert not {t for _, t in train} & {t for _, t in held}
-    assert [p.text for p in D.load_prompts("default")] == [t for _, t in train]
+    assert [p.text for p in P.load_prompts("default")] == [t for _, t in train]
 
 
 def test_cli(tmp_path, capsys):
