@@ -31,8 +31,10 @@ train chained "$STEPS_CHAINED"
 train parallel "$STEPS_PARALLEL"
 train eagle3 "$STEPS_EAGLE3"
 for budget in auto 8; do
+    name=$budget
+    [ "$budget" = auto ] || name="budget$budget"
     python -m inference.bench --target "$T" --heads "$WORK/heads-chained" --heads-parallel "$WORK/heads-parallel" \
         --heads-eagle3 "$WORK/heads-eagle3" --methods ar,parallel,chained,eagle3 --prompts "$MTBENCH" \
-        --max-new-tokens 128 --tree-budget "$budget" --out "$WORK/results-mtbench80-kinds-$budget.json" \
-        --plot "$WORK/bench-mtbench80-kinds-$budget.png"
+        --max-new-tokens 128 --tree-budget "$budget" --out "$WORK/head-kinds-mtbench80-$name.json" \
+        --plot "$WORK/head-kinds-mtbench80-$name.png"
 done

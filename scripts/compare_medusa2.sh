@@ -41,7 +41,7 @@ bench() {  # out.json args...
     shift
     python -m inference.bench --target "$T" --prompts "$MTBENCH" --max-new-tokens 128 --out "$out" "$@"
 }
-bench "$WORK/results-mtbench80-original-ar.json" --methods ar --replies "$WORK/replies-original.jsonl"
+bench "$WORK/medusa2-original-target-ar-mtbench80.json" --methods ar --replies "$WORK/replies-original.jsonl"
 for kind in chained parallel; do
     run "heads-$kind-$HALF" "$HALF" heads.kind="$kind"
     settings=SETTINGS_$kind benched=BENCH_$kind
@@ -52,7 +52,7 @@ for kind in chained parallel; do
         if [[ " ${!benched} " == *" $s "* ]]; then
             flag=--heads
             [ "$kind" = parallel ] && flag=--heads-parallel
-            bench "$WORK/results-mtbench80-medusa2-$kind-w$w-lr$lr.json" "$flag" "$WORK/$name" --methods "ar,$kind" \
+            bench "$WORK/medusa2-$kind-lmweight$w-lr$lr-mtbench80.json" "$flag" "$WORK/$name" --methods "ar,$kind" \
                 --replies-against "$WORK/replies-original.jsonl"
         fi
     done

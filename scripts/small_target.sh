@@ -21,8 +21,8 @@ if [ ! -f "$WORK/heads-chained/acceptance.json" ]; then
         data.max_length=384 train.save_every=0 eval.every=0 tracking.backend=none output_dir="$WORK/heads-chained"
 fi
 python -m inference.bench --target "$T" --heads "$WORK/heads-chained" --methods ar,pld,ngram,chained,chained+ngram \
-    --prompts "$WORK/heldout-prompts.jsonl" --limit 32 --max-new-tokens 128 --out "$WORK/results-small.json"
+    --prompts "$WORK/heldout-prompts.jsonl" --limit 32 --max-new-tokens 128 --out "$WORK/small-target-gsm8k32.json"
 python -m inference.oracle --target "$T" --prompts "$WORK/heldout-prompts.jsonl" --limit 4 --budgets 1,2,4,8 \
-    --out "$WORK/results-oracle-small.json"
+    --out "$WORK/oracle-small-target-gsm8k4.json"
 python -m inference.profile_step --target "$T" --heads "$WORK/heads-chained" --prompts "$WORK/heldout-prompts.jsonl" \
     --limit 8 --lookup-nodes 0 --budget 4 8 auto
