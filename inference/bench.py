@@ -105,6 +105,19 @@ def render(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
+def prompts_that_fit(prompts: Sequence[torch.Tensor], limit: int | None, max_new_tokens: int, depth: int,
+                     log: Callable[[str], None]) -> list[int]:
+    """Indices of the prompts that fit the target's context with `max_new_tokens` and a tree `depth` deep; says how
+    many do not (a long ShareGPT prompt on a 2k-context model is skipped, not a crash halfway through a run)."""
+    if limit is None:
+        return list(range(len(prompts)))
+    kept = [i for i, p in enumerate(prompts) if p.shape[-1] + max_new_tokens + depth <= limit]
+    if len(kept) < len(prompts):
+        log(f"[bench] skipped {len(prompts) - len(kept)} of {len(prompts)} prompts: with {max_new_tokens} new tokens "
+            f"they do not fit the target's context of {limit} tokens")
+    return kept
+
+
 def bigram_texts(path: str) -> list[str]:
     """Texts to count bigrams on: the assistant replies of chat rows, else a `text` or answer field (the
     trainer's `ANSWER_KEYS`), from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
@@ -441,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.engine.kernels import use_onednn_linear
+    from inference.engine.support import context_limit
     from medusa_train.files import atomic_write_text, write_json
     from medusa_train.heads import load_spec
     from medusa_train.target import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype
@@ -492,6 +506,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts[m] = {}
             runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
     prompts = [render(tokenizer, t) for t in texts]
+    depth = max((g.drafter.max_depth for g in generators.values()), default=0)
+    kept = prompts_that_fit(prompts, context_limit(target), args.max_new_tokens, depth, log)
+    if not kept:
+        log(f"error: no prompt of {args.prompts} fits the target's context with --max-new-tokens "
+            f"{args.max_new_tokens}: lower it, or pick shorter prompts")
+        return 2
+    prompts = [prompts[i] for i in kept]
+    if args.replies_against:
+        against = [against[i] for i in kept]
     replies: list[list[int]] = []
     summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log, replies)
     if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
@@ -501,6 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = counts[m]
         log(f"[bench] {m}: {c.get('nodes', 0) / max(c.get('steps', 0), 1):.2f} tree nodes verified per step "
             f"(root included); acceptance rate given the parent was accepted (rate/tries): {g.calibrator.summary()}")
+        if g.choice.tried():
+            log(f"[bench] {m}: what its steps ran (auto budget, per-step choice): {g.choice.summary()}")
     prompt_set = describe_prompts(args.prompts, len(prompts), args.stride)
     result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
               "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens, "methods": summary}

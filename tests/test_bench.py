@@ -202,3 +202,19 @@ def test_compile_on_a_cpu_through_the_cli(setup, capsys):
     methods = json.loads(out.read_text())["methods"]
     assert list(methods) == ["ar", "ar-compiled", "chained"]
     assert all(m["exact_match"] for m in methods.values())
+
+
+def test_prompts_longer_than_the_target_context_are_skipped_with_a_note(setup, tmp_path, capsys):
+    """A prompt set with a few long prompts (ShareGPT) on a short-context target: those are skipped and said so,
+    the others are measured; with none that fits, one line and exit 2 (the tiny target's context: 512)."""
+    mixed, long_only, out = tmp_path / "mixed.jsonl", tmp_path / "long.jsonl", tmp_path / "r.json"
+    mixed.write_text("\n".join(json.dumps({"prompt": p}) for p in ["a short one", "x" * 600, "another short one"]))
+    long_only.write_text(json.dumps({"prompt": "y" * 600}))
+    common = ["--target", str(setup / "target"), "--heads", str(setup / "chained"), "--methods", "ar,chained",
+              "--max-new-tokens", "8", "--tree-budget", "2"]
+    assert bench.main([*common, "--prompts", str(mixed), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["prompts"] == 2
+    assert "skipped 1 of 3 prompts: with 8 new tokens they do not fit the target's context of 512" in \
+        capsys.readouterr().err
+    assert bench.main([*common, "--prompts", str(long_only)]) == 2
+    assert "error: no prompt of" in capsys.readouterr().err
