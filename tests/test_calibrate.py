@@ -12,6 +12,7 @@ from tiny import VOCAB, tiny_tokenizer
 
 from inference import HybridDrafter, NGramDrafter, SpeculativeGenerator
 from inference.engine.calibrate import BOTH, LOOKUP, SCORED, UNSCORED, AcceptanceCalibrator
+from inference.engine.choice import StepChoice
 from inference.engine.drafters import DraftContext
 from inference.engine.tree import graft_branches, tree_from_parents
 
@@ -108,6 +109,7 @@ def test_generation_learns_to_trust_the_lookup_over_overconfident_heads():
     gen = SpeculativeGenerator(model, tiny_tokenizer(), hybrid)
     gen.verify_costs = lambda: [0.0] + [1 + 0.2 * (n - 1) for n in range(1, 33)]
     gen._auto_budget = 6
+    gen.choice = StepChoice(["both"])  # the trim inside the default's own steps (the per-step choice: test_choice)
     verified = []
     trim = gen.calibrator.trim
     gen.calibrator.trim = lambda tree, costs, fixed=0.0: _record(trim(tree, costs, fixed), verified)
@@ -156,6 +158,7 @@ def test_a_primary_whose_nodes_do_not_pay_is_skipped_and_probed():
         gen.verify_costs = lambda: [0.0] + [1e-3 * (1 + 0.05 * (n - 1)) for n in range(1, 33)]
         gen.draft_costs = lambda: [0.0] * 32
         gen._auto_budget = 4
+        gen.choice = StepChoice(["both"])  # the skipping inside the default's own steps
         out = gen.generate(input_ids, max_new_tokens=90, eos_token_id=[])
         assert out.token_ids.tolist() == want.tolist()
         later = hybrid.drafted[len(hybrid.drafted) // 2:]

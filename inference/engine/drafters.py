@@ -85,6 +85,11 @@ class Drafter:
     def reset(self) -> None:
         """Called at the start of every `generate` (drafters with per-sequence state clear it here)."""
 
+    def step_context(self, tokens: list[int]) -> int:
+        """What the generator's per-step choice (`inference.engine.choice`) conditions on before a step: 0 here;
+        drafters with lookup give the length of the n-gram they match (0-3)."""
+        return 0
+
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Only for drafters with `needs_history`: n newly committed positions, in order; hidden [n, d] is
         h at each (followed by the states at `target_layers`, if any: [n, (1 + len(target_layers)) d]),
@@ -388,9 +393,24 @@ class NGramDrafter(Drafter):
     def topk_accuracy(self) -> list[list[float]]:
         return [[0.5 * 0.9**k, 0.1 * 0.9**k] for k in range(self.max_depth)]  # a rough prior for the budget
 
+    _last: tuple | None = None  # (key, result) of the last `matches` call: a step asks twice (context, draft)
+
+    def reset(self) -> None:
+        self._last = None
+
+    def step_context(self, tokens: list[int]) -> int:
+        return min(self.matches(tokens, self.max_depth)[1], 3)
+
     def matches(self, tokens: list[int], depth: int) -> tuple[list[list[int]], int]:
         """Distinct continuations of the most recent matches of the context's last n-gram (longest n first),
         and that n (0: no match)."""
+        key = (id(tokens), len(tokens), depth, tuple(tokens[-self.max_ngram:]))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = (key, self._match(tokens, depth))
+        return self._last[1]
+
+    def _match(self, tokens: list[int], depth: int) -> tuple[list[list[int]], int]:
         ctx = tokens[-self.max_context:]
         found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
@@ -435,6 +455,9 @@ class HybridDrafter(Drafter):
     """
 
     share_nodes: bool | None = None
+    mode: str = "both"
+    """What `draft` proposes: "both" (the above), "primary" (the primary alone, no lookup) or "lookup" (the lookup
+    alone); set per step by the generator's `StepChoice` (`inference.engine.choice`)."""
 
     def __init__(self, primary: Drafter, lookup: NGramDrafter | None = None, lookup_nodes: int = 4):
         if not isinstance(lookup_nodes, int) or lookup_nodes < 0:
@@ -465,9 +488,16 @@ class HybridDrafter(Drafter):
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.primary.observe(hidden, next_tokens)
 
+    def step_context(self, tokens: list[int]) -> int:
+        return min(self.lookup.matches(tokens, self.lookup.max_depth)[1], 3)
+
     def draft(self, ctx: DraftContext) -> Tree:
         # at most half, unless the generator trims: the heads keep the rest
         share = self.lookup_nodes if ctx.trimmed else min(self.lookup_nodes, (ctx.budget + 1) // 2)
+        if self.mode == "primary":
+            share = 0
+        elif self.mode == "lookup":  # the lookup alone: as deep as it matches, within the budget
+            share = min(self.lookup.max_depth * self.lookup.branches, max(ctx.budget, 1))
         branches: list[list[int]] = []
         used, n = 0, 0
         if share > 0:
@@ -479,7 +509,10 @@ class HybridDrafter(Drafter):
                 branches.append(cont)
                 used += len(cont)
         self.match = min(n, 3)
-        self.drafted_primary = not ctx.trimmed or self._primary_pays()
+        if self.mode == "both":
+            self.drafted_primary = not ctx.trimmed or self._primary_pays()
+        else:
+            self.drafted_primary = self.mode == "primary"
         if self.drafted_primary:
             t0 = time.perf_counter()
             tree = self.primary.draft(ctx if ctx.trimmed else replace(ctx, budget=ctx.budget - used))

@@ -22,6 +22,7 @@ from torch import nn
 import inference.engine.budget as budget_timing
 from inference.engine.budget import Platform
 from inference.engine.calibrate import AcceptanceCalibrator
+from inference.engine.choice import StepChoice
 from inference.engine.compiled import StaticVerifier
 from inference.engine.drafters import DraftContext, Drafter, HeadsDrafter, HybridDrafter, TreeSpec
 from inference.engine.kernels import use_onednn_linear
@@ -94,6 +95,8 @@ class GenerationStats:
     tokens_per_s: float = 0.0
     tree: str = ""
     tree_budget: int = 0
+    arms: dict[str, int] = field(default_factory=dict)
+    """Steps run per arm of the per-step choice (`inference.engine.choice`; a CPU with the auto budget)."""
 
     def line(self) -> str:
         return (f"new_tokens={self.new_tokens} steps={self.steps} tau={self.tau:.2f} "
@@ -165,6 +168,11 @@ class SpeculativeGenerator:
         if compile:
             self.static = StaticVerifier(target, drafter.target_layers,
                                          backend=compile if isinstance(compile, str) else "inductor")
+        # which way each CPU step under the auto budget drafts, from the tokens per second each way has earned
+        arms = ["both", "primary", "lookup"] if isinstance(drafter, HybridDrafter) else ["both"]
+        if not drafter.needs_history and self.static is None:  # a plain step feeds the drafter no history
+            arms.append("plain")
+        self.choice = StepChoice(arms)
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: str | os.PathLike | nn.Module | None = None,
@@ -301,7 +309,7 @@ class SpeculativeGenerator:
         keys = None
         if costs is not None:  # a CPU (`Platform.host_trim`): the host's clock times the drafting, no sync needed
             drafting = time.perf_counter() - t0
-            if isinstance(self.drafter, HybridDrafter) and self.drafter.drafted_primary:
+            if isinstance(self.drafter, HybridDrafter) and self.drafter.mode == "both" and self.drafter.drafted_primary:
                 primary = self.drafter.primary_seconds
                 self.drafter.credit(self.calibrator.primary_payoff(draft, costs, drafting - primary, primary))
             draft, keys = self.calibrator.trim(draft, costs, fixed=drafting)
@@ -334,6 +342,28 @@ class SpeculativeGenerator:
         lap("observe")
         if clock is not None:
             clock.rows += draft.size
+        return new
+
+    def chosen_step(self, state: DecodeState, tree: TreeSpec, budget: int, sampling: Sampling,
+                    costs: Sequence[float], stats: GenerationStats) -> list[int]:
+        """One step of the arm `self.choice` picks (`inference.engine.choice`), timed on the host's clock (a CPU's
+        step has no device to wait for) and credited to it."""
+        context = self.drafter.step_context(state.tokens)
+        arm = self.choice.choose(context)
+        t = self.choice.clock()
+        if arm == "plain":
+            new = self.plain_step(state, sampling)
+            stats.verified_nodes += 1
+        elif isinstance(self.drafter, HybridDrafter):
+            self.drafter.mode = arm
+            try:
+                new = self.speculative_step(state, tree, budget, sampling, costs, stats)
+            finally:
+                self.drafter.mode = "both"
+        else:
+            new = self.speculative_step(state, tree, budget, sampling, costs, stats)
+        self.choice.record(arm, len(new), self.choice.clock() - t, context)
+        stats.arms[arm] = stats.arms.get(arm, 0) + 1
         return new
 
     def plain_step(self, state: DecodeState, sampling: Sampling) -> list[int]:
@@ -419,8 +449,10 @@ class SpeculativeGenerator:
                         stats.verified_nodes += 1
                         if costs is not None and len(state.tokens) <= budget_timing.DRIFT_PREFIX:
                             self.drift.observe(time.perf_counter() - t, costs[1])  # is the timing still right?
-                    else:
+                    elif costs is None:
                         new = self.speculative_step(state, tree, budget, sampling, costs, stats)
+                    else:  # a CPU with the auto budget: the arm that has earned the most tokens per second
+                        new = self.chosen_step(state, tree, budget, sampling, costs, stats)
                     stats.steps += 1
                     stats.accept_lengths.append(len(new))
                     done = emit(new)
