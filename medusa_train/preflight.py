@@ -83,7 +83,7 @@ def head_parameters(cfg: Config, text) -> int:
         eagle3 = spec_fields(text, h.aux_layers)
     spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
-                     own_lm_head=h.own_lm_head, draft_vocab_size=min(h.draft_vocab_size, text.vocab_size),
+                     own_lm_head=h.own_lm_head, draft_vocab_size=h.draft_vocab(text.vocab_size),
                      context_layers=h.context_layers, **eagle3)
     with torch.device("meta"):
         return sum(p.numel() for p in DraftHeads(spec).parameters())

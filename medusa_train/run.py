@@ -137,11 +137,11 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     if h.init_from:
         return _warm_start_heads(cfg, target)
     draft_ids = None
-    if h.draft_vocab_size:
-        vocab = target.get_output_embeddings().weight.shape[0]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if h.draft_vocab(vocab):
         always = [i for i in (target.config.eos_token_id, getattr(target.config, "bos_token_id", None))
                   if isinstance(i, int)]
-        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab_size, always)
+        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab(vocab), always)
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
                                   context_layers=h.context_layers, aux_layers=h.aux_layers or None)
@@ -158,7 +158,10 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
     spec = heads.spec
     differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
               for key in ("kind", "num_heads", "layers_per_head", "block", "own_embed", "own_lm_head",
-                          "draft_vocab_size", "context_layers") if getattr(h, key) != getattr(spec, key)]
+                          "context_layers") if getattr(h, key) != getattr(spec, key)]
+    if h.draft_vocab(spec.vocab_size) != spec.draft_vocab_size:
+        differ.append(f"heads.draft_vocab_size={h.draft_vocab_size!r} ({h.draft_vocab(spec.vocab_size)} tokens for "
+                      f"this target) but those heads have {spec.draft_vocab_size}")
     if h.aux_layers and h.aux_layers != spec.aux_layers:
         differ.append(f"heads.aux_layers={h.aux_layers!r} but those heads have {spec.aux_layers!r}")
     if differ:

@@ -17,7 +17,7 @@ python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" --pro
     --out "$WORK/distill.jsonl" --limit 1000 --max-new-tokens 160 --batch-size 16
 if [ ! -f "$WORK/heads-chained/acceptance.json" ]; then
     python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill.jsonl" \
-        heads.draft_vocab_size=0 heads.context_layers=0 train.lr=3e-3 train.max_steps=240 train.batch_size=4 \
+        heads.context_layers=0 train.lr=3e-3 train.max_steps=240 train.batch_size=4 \
         data.max_length=384 train.save_every=0 eval.every=0 tracking.backend=none output_dir="$WORK/heads-chained"
 fi
 python -m inference.bench --target "$T" --heads "$WORK/heads-chained" --methods ar,pld,ngram,chained,chained+ngram \

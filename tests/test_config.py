@@ -115,3 +115,20 @@ def test_train_py_subprocess_exit_code(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: recipe file not found: {tmp_path / 'missing.yaml'}"
+
+
+def test_the_draft_vocabulary_defaults_to_a_quarter_of_a_large_vocabulary(recipe):
+    """heads.draft_vocab_size: auto (the default) scores a quarter of the target's vocabulary where that is at least
+    2048 tokens, else all of it; a number is used as is, capped at the vocabulary; a bad value is one line."""
+    from medusa_train.config import ConfigError, HeadsConfig
+
+    auto = HeadsConfig()
+    assert auto.draft_vocab_size == "auto"
+    assert [auto.draft_vocab(v) for v in (260, 8191, 8192, 49152, 128256)] == [0, 0, 2048, 12288, 32064]
+    assert HeadsConfig(draft_vocab_size=0).draft_vocab(128256) == 0
+    assert HeadsConfig(draft_vocab_size=4096).draft_vocab(260) == 260
+    assert HeadsConfig(draft_vocab_size=4096).draft_vocab(49152) == 4096
+    with pytest.raises(ConfigError, match="heads.draft_vocab_size must be 'auto' or >= 0"):
+        load_config(recipe, ["heads.draft_vocab_size=-1"])
+    with pytest.raises(ConfigError, match="heads.draft_vocab_size must be"):
+        load_config(recipe, ["heads.draft_vocab_size=most"])
