@@ -1,0 +1,201 @@
+"""SGLang's EAGLE3 loader, read from its own source (sglang 0.5.23, pinned; SGLang does not run on a CPU machine):
+every tensor of our `--format eagle3` export maps to a parameter its `LlamaForCausalLMEagle3.load_weights` loads (it
+skips a name it does not know without a word, so a renamed tensor would serve a random weight), the config says
+what that model reads, its draft layer computes what ours does, and the README's launch line uses flags its argument
+parser has. The wheel is downloaded once (no dependencies, nothing imported) into the project's cache."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import save_tiny
+
+from medusa_train.export import main as export_main
+from medusa_train.files import cache_root
+from medusa_train.heads import DraftHeads
+
+SGLANG = "0.5.23"
+ROOT = Path(__file__).resolve().parents[1]
+NEEDED = ("sglang/srt/models/llama_eagle3.py", "sglang/srt/models/llama.py", "sglang/srt/arg_groups/fields/")
+
+
+@pytest.fixture(scope="session")
+def sglang_src() -> Path:
+    """The few source files of sglang 0.5.23 this test reads, from its wheel, staged and renamed into place."""
+    where = cache_root() / f"sglang-{SGLANG}-source"
+    if (where / NEEDED[0]).is_file():
+        return where
+    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--dest", str(staging / "wheel"), f"sglang=={SGLANG}"], check=True)
+        (wheel,) = (staging / "wheel").glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if name.startswith(NEEDED) and name.endswith(".py"):
+                    z.extract(name, staging)
+        shutil.rmtree(staging / "wheel")
+        shutil.rmtree(where, ignore_errors=True)
+        os.replace(staging, where)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return where
+
+
+def _literal(source: str, function: str, name: str):
+    """The literal assigned to `name` inside `function` (sglang's own tables, read, not copied)."""
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
+    node = next(n for n in ast.walk(fn) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == name)
+    return ast.literal_eval(node.value)
+
+
+def _assigned(source: str, cls: str) -> set[str]:
+    """The attributes `self.X = ...` that class `cls` sets anywhere in its body."""
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {t.attr for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def sglang_parameters(src: Path) -> set[str]:
+    """LlamaForCausalLMEagle3's parameter names for a draft layer without the optional norms (ours has none), each
+    checked against the attributes its classes set in 0.5.23's source."""
+    eagle3 = (src / NEEDED[0]).read_text()
+    llama = (src / NEEDED[1]).read_text()
+    assert {"model", "lm_head"} <= _assigned(eagle3, "LlamaForCausalLMEagle3")
+    assert {"embed_tokens", "fc", "layers", "norm"} <= _assigned(eagle3, "LlamaModel")
+    assert {"hidden_norm"} <= _assigned(eagle3, "LlamaDecoderLayer")
+    assert {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"} <= _assigned(llama, "LlamaDecoderLayer")
+    assert {"qkv_proj", "o_proj"} <= _assigned(llama, "LlamaAttention")
+    assert {"gate_up_proj", "down_proj"} <= _assigned(llama, "LlamaMLP")
+    layer = "model.layers.0."
+    return {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
+            layer + "hidden_norm.weight", layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight",
+            layer + "self_attn.qkv_proj.weight", layer + "self_attn.o_proj.weight", layer + "mlp.gate_up_proj.weight",
+            layer + "mlp.down_proj.weight"}
+
+
+def loaded_as(name: str, src: Path, params: set[str]) -> str | None:
+    """The parameter sglang's `load_weights` puts tensor `name` into (its steps, with its own tables read from its
+    source): legacy names renamed, d2t kept as its hot-token map, t2d dropped, q/k/v and gate/up stacked, `model.`
+    prefixed where needed; None where it would skip the tensor without a word."""
+    eagle3 = (src / NEEDED[0]).read_text()
+    legacy = _literal(eagle3, "load_weights", "legacy_name_map")
+    stacked = _literal(eagle3, "load_weights", "stacked_params_mapping")
+    for old, new in legacy.items():
+        if old in name:
+            name = name.replace(old, new)
+    if "d2t" in name:
+        return "hot_token_id"
+    if "t2d" in name:
+        return "(dropped)"
+    for param_name, weight_name, _ in stacked:
+        if weight_name in name:
+            name = name.replace(weight_name, param_name)
+            break
+    name = name if name in params else f"model.{name}"
+    return name if name in params else None
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    target = save_tiny(root / "target", "llama", layers=6)
+    heads = DraftHeads.for_target(target, "eagle3", 3, target_name=str(root / "target"),
+                                  draft_ids=torch.arange(64))
+    heads.save_pretrained(root / "heads")
+    assert export_main([str(root / "heads"), str(root / "eagle3"), "--format", "eagle3"]) == 0
+    return root / "eagle3", heads
+
+
+def check_export(out: Path, heads: DraftHeads, src: Path) -> list[str]:
+    """What sglang 0.5.23 would do wrong with this export (empty: nothing)."""
+    params = sglang_parameters(src)
+    problems = [f"{n}: skipped by sglang's loader" for n in load_file(str(out / "model.safetensors"))
+                if loaded_as(n, src, params) is None]
+    loaded = {loaded_as(n, src, params) for n in load_file(str(out / "model.safetensors"))}
+    problems += [f"{p}: never loaded" for p in sorted(params - loaded - {"model.embed_tokens.weight"})]
+    config = json.loads((out / "config.json").read_text())
+    if config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        problems.append(f"architectures {config.get('architectures')}")
+    # sglang counts an aux layer by the layer whose output it takes: ours (the input of layer i) minus one
+    if config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") != [i - 1 for i in heads.spec.aux_layers]:
+        problems.append(f"aux layer ids {config.get('eagle_config')} for heads reading {heads.spec.aux_layers}")
+    for flag in ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output"):  # norms our draft layer does not have
+        if config.get(flag) or config.get("eagle_config", {}).get(flag):
+            problems.append(f"{flag} set")
+    return problems
+
+
+def test_sglang_loads_every_tensor_of_our_eagle3_export(export, sglang_src):
+    out, heads = export
+    assert check_export(out, heads, sglang_src) == []
+    names = load_file(str(out / "model.safetensors"))
+    assert {"d2t", "t2d"} <= set(names)  # the draft vocabulary travels, as sglang's hot-token map
+    assert loaded_as("midlayer.self_attn.k_proj.weight", sglang_src, sglang_parameters(sglang_src)) == \
+        "model.layers.0.self_attn.qkv_proj.weight"
+
+
+def test_sglangs_draft_layer_adds_the_raw_state_as_its_residual(sglang_src):
+    """Our layer (and vLLM's with norm_before_residual false) keeps the fused state itself as the residual and feeds
+    its norm to attention: sglang's first layer must do the same, in that order."""
+    source = (sglang_src / NEEDED[0]).read_text()
+    start = source.index("if self.is_input_layer:")
+    block = source[start:source.index("else:", start)]
+    assert re.search(r"residual = hidden_states\s+hidden_states = self\.hidden_norm\(hidden_states\)", block), block
+
+
+@pytest.mark.parametrize("plant", ["renamed tensor", "aux ids not shifted", "a norm flag"])
+def test_a_broken_export_is_caught(export, sglang_src, tmp_path, plant):
+    out, heads = export
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    if plant == "renamed tensor":
+        w = load_file(str(broken / "model.safetensors"))
+        w["midlayer.hidden_layernorm.weight"] = w.pop("midlayer.hidden_norm.weight")
+        save_file(w, str(broken / "model.safetensors"))
+    else:
+        config = json.loads((broken / "config.json").read_text())
+        if plant == "aux ids not shifted":
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = heads.spec.aux_layers
+        else:
+            config["norm_before_fc"] = True
+        (broken / "config.json").write_text(json.dumps(config))
+    assert check_export(broken, heads, sglang_src) != []
+
+
+def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
+    """sglang builds its command line from dataclass fields (`arg_groups/fields/*.py`, `--` + the name with dashes,
+    plus aliases); every flag of the README's `sglang.launch_server` line must be one, and EAGLE3 a builtin."""
+    fields: set[str] = set()
+    spec_help = ""
+    for path in (sglang_src / NEEDED[2]).glob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                segment = ast.get_source_segment(source, node) or ""
+                if "no_cli=True" in segment:
+                    continue
+                fields.add("--" + node.target.id.replace("_", "-"))
+                aliases = re.search(r"aliases=\[([^\]]*)\]", segment)
+                if aliases:
+                    fields.update(re.findall(r'"(--[\w-]+)"', aliases.group(1)))
+                if node.target.id == "speculative_algorithm":
+                    spec_help = segment
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"python -m sglang\.launch_server(.*?)\n```", readme, re.S).group(1)
+    flags = set(re.findall(r"(--[\w-]+)", line))
+    assert {"--model-path", "--speculative-algorithm", "--speculative-draft-model-path"} <= flags
+    assert flags - fields == set()
+    assert "EAGLE3" in spec_help
