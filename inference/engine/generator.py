@@ -354,6 +354,8 @@ class SpeculativeGenerator:
         if arm == "plain":
             new = self.plain_step(state, sampling)
             stats.verified_nodes += 1
+            if len(state.tokens) <= budget_timing.DRIFT_PREFIX:  # a plain step is a verify of one row: is the timing
+                self.drift.observe(self.choice.clock() - t, costs[1])  # of one row still right?
         elif isinstance(self.drafter, HybridDrafter):
             self.drafter.mode = arm
             try:
