@@ -138,10 +138,10 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
         return _warm_start_heads(cfg, target)
     draft_ids = None
     vocab = target.get_output_embeddings().weight.shape[0]
-    if h.draft_vocab(vocab):
+    if n := h.draft_vocab(vocab):
         always = [i for i in (target.config.eos_token_id, getattr(target.config, "bos_token_id", None))
                   if isinstance(i, int)]
-        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), h.draft_vocab(vocab), always)
+        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), n, always)
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
                                   context_layers=h.context_layers, aux_layers=h.aux_layers or None)

@@ -15,16 +15,10 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from pathlib import Path
 
-
-def counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if not m.name.startswith("vllm:spec_decode"):
-            continue
-        name = m.name.removeprefix("vllm:spec_decode_")
-        out[name] = [int(v) for v in m.values] if hasattr(m, "values") else int(getattr(m, "value", 0))
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from vllm_serve_bench import counters  # noqa: E402 - vLLM's counters, read as the measurement script reads them
 
 
 def serve(run: dict) -> dict:

@@ -489,7 +489,7 @@ class HybridDrafter(Drafter):
         self.primary.observe(hidden, next_tokens)
 
     def step_context(self, tokens: list[int]) -> int:
-        return min(self.lookup.matches(tokens, self.lookup.max_depth)[1], 3)
+        return self.lookup.step_context(tokens)
 
     def draft(self, ctx: DraftContext) -> Tree:
         # at most half, unless the generator trims: the heads keep the rest

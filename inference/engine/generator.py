@@ -352,10 +352,7 @@ class SpeculativeGenerator:
         arm = self.choice.choose(context)
         t = self.choice.clock()
         if arm == "plain":
-            new = self.plain_step(state, sampling)
-            stats.verified_nodes += 1
-            if len(state.tokens) <= budget_timing.DRIFT_PREFIX:  # a plain step is a verify of one row: is the timing
-                self.drift.observe(self.choice.clock() - t, costs[1])  # of one row still right?
+            new = self.plain_step(state, sampling, costs, stats)
         elif isinstance(self.drafter, HybridDrafter):
             self.drafter.mode = arm
             try:
@@ -368,14 +365,21 @@ class SpeculativeGenerator:
         stats.arms[arm] = stats.arms.get(arm, 0) + 1
         return new
 
-    def plain_step(self, state: DecodeState, sampling: Sampling) -> list[int]:
+    def plain_step(self, state: DecodeState, sampling: Sampling, costs: Sequence[float] | None = None,
+                   stats: GenerationStats | None = None) -> list[int]:
         """A step that drafts nothing, run as plain decoding runs it: the root through the target's ordinary causal
         forward (no tree mask, no position ids, no layers captured, no drafter called); its logits decide the next
-        root. Returns [that token]."""
+        root. Returns [that token]. `costs` (a CPU with the auto budget): its time, a verify of one row, is checked
+        against the timing of one row (`self.drift`)."""
+        t = time.perf_counter()
         h = target_forward(self.target, state.root[None], state.cache)[0, -1]  # [d]
         state.root, state.hidden = self.next_token(final_logits(self.target, h), sampling).view(1), h
         new = state.root.tolist()  # the step's one host read
         state.tokens.extend(new)
+        if costs is not None and len(state.tokens) <= budget_timing.DRIFT_PREFIX:  # is the timing still right?
+            self.drift.observe(time.perf_counter() - t, costs[1])
+        if stats is not None:
+            stats.verified_nodes += 1
         return new
 
     def generate(self, prompt: str | torch.Tensor | Sequence[int], max_new_tokens: int = 128,
@@ -446,11 +450,7 @@ class SpeculativeGenerator:
                 done = emit(state.tokens[-1:])
                 while not done:
                     if plain:
-                        t = time.perf_counter()
-                        new = self.plain_step(state, sampling)
-                        stats.verified_nodes += 1
-                        if costs is not None and len(state.tokens) <= budget_timing.DRIFT_PREFIX:
-                            self.drift.observe(time.perf_counter() - t, costs[1])  # is the timing still right?
+                        new = self.plain_step(state, sampling, costs, stats)
                     elif costs is None:
                         new = self.speculative_step(state, tree, budget, sampling, costs, stats)
                     else:  # a CPU with the auto budget: the arm that has earned the most tokens per second
