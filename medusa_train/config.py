@@ -183,6 +183,13 @@ class TrainConfig:
     """Joint training (target.lora): the first this-many optimizer steps train the heads alone on the original
     target (the adapters stay still, and the step costs what a frozen-target step does), then heads and adapters
     train together."""
+    keep_best: Literal["auto", "tau", "expected_tau", "last"] = "auto"
+    """Which heads the run ends with. `tau`: the evaluation with the highest real tau (needs eval.tau_every);
+    `expected_tau`: the highest held-out expected tau of the static tree at eval.tau_budget (needs a held-out split);
+    `last`: the final step's. `auto`: tau when eval.tau_every is set, else expected_tau when evaluations run during
+    training (eval.every and a held-out split), else last. The best so far is kept in `output_dir/best/` (written
+    atomically at each evaluation that beats it) and `output_dir` ends with it; metrics.jsonl and W&B log
+    `best/step`."""
     hidden_cache_dir: str = ""
     """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)
@@ -214,7 +221,25 @@ class EvalConfig:
     every: int = 0
     """Evaluate on the held-out split every this-many steps (0: only at the end)."""
     max_batches: int = 20
-    """Held-out batches per evaluation (0: the whole split)."""
+    """Held-out batches per evaluation (0: the whole split). The split is a seeded shuffle of the data, so the first
+    batches are a seeded sample; each evaluation reports the standard error of its expected tau (a bootstrap over
+    sequences) and says when it is above 0.02."""
+    tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 64])
+    """Draft-node budgets (root excluded) at which each evaluation reports the expected tau of the best static tree
+    for the measured acceptance, found by the engine's own tree search (`eval/expected_tau@B`)."""
+    tau_every: int = 0
+    """Every this-many steps (and at the end) the engine itself generates, greedy, with the heads as they are, and
+    logs the real tau (`eval/tau`; 0: never). Only the main process generates; the training state is untouched."""
+    tau_prompts: str = ""
+    """Prompts for the real tau: a file or dataset (first user turns, rendered with the chat template), or "" for
+    the held-out split's own prompts (each row up to its first supervised token)."""
+    tau_num_prompts: int = 8
+    """How many of those prompts each real-tau measurement generates for."""
+    tau_max_new_tokens: int = 64
+    """New tokens per prompt in a real-tau measurement."""
+    tau_budget: int = 8
+    """The tree budget (draft nodes, root excluded) of the real-tau runs: the engine's static tree for the
+    acceptance measured at that step, heads alone (no lookup). `train.keep_best=expected_tau` scores this budget."""
 
 
 @dataclass
@@ -535,6 +560,26 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
     need(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")
     need(cfg.eval.max_batches >= 0, f"eval.max_batches must be >= 0, got {cfg.eval.max_batches}")
+    e = cfg.eval
+    need(bool(e.tree_budgets) and all(isinstance(b, int) and b >= 1 for b in e.tree_budgets),
+         f"eval.tree_budgets must be a list of draft-node budgets >= 1, e.g. [4, 8, 64], got {e.tree_budgets}")
+    need(e.tau_budget >= 1, f"eval.tau_budget must be >= 1 draft node, got {e.tau_budget}")
+    need(e.tau_every >= 0, f"eval.tau_every must be >= 0 (0: never), got {e.tau_every}")
+    need(e.tau_num_prompts >= 1, f"eval.tau_num_prompts must be >= 1, got {e.tau_num_prompts}")
+    need(e.tau_max_new_tokens >= 1, f"eval.tau_max_new_tokens must be >= 1, got {e.tau_max_new_tokens}")
+    if e.tau_prompts and (looks_local(e.tau_prompts) or Path(e.tau_prompts).exists()):
+        need(Path(os.path.expanduser(e.tau_prompts)).exists(),
+             f"eval.tau_prompts: file not found: {e.tau_prompts} (a prompts file or dataset; \"\" takes the held-out "
+             "split's prompts)")
+    held_out = cfg.data.eval_size > 0
+    need(not e.tau_every or held_out or bool(e.tau_prompts),
+         "eval.tau_every needs prompts: set eval.tau_prompts to a prompts file, or data.eval_size > 0 for the "
+         "held-out split's")
+    need(cfg.train.keep_best != "tau" or e.tau_every > 0,
+         "train.keep_best=tau needs real-tau measurements: set eval.tau_every (e.g. eval.tau_every=100), or "
+         "train.keep_best=expected_tau")
+    need(cfg.train.keep_best != "expected_tau" or held_out,
+         "train.keep_best=expected_tau needs a held-out split: set data.eval_size (e.g. 0.03), or train.keep_best=last")
     need(bool(cfg.output_dir), "output_dir is required")
     if cfg.resume not in ("auto", "none"):
         need(Path(cfg.resume).is_dir(), f"resume: checkpoint directory not found: {cfg.resume} "

@@ -22,7 +22,10 @@ The same numbers for trained heads on any chat data (your users' prompts with th
 `--max-reply-tokens N` scores only each row's first N supervised tokens (what generating N tokens sees);
 `--split eval` scores the recipe's own held-out split (same shuffle and size as training) instead of every row:
 with the recipe's `eval.max_batches` as `--max-batches` (default 0: all) and batches of the recipe's
-`train.batch_size` (the default), it reproduces a single-process run's acceptance.json.
+`train.batch_size` (the default), it reproduces a single-process run's acceptance.json. Besides the chain it reports
+the expected tau of the best static tree at each of the recipe's `eval.tree_budgets` (or `--budgets 4 8 64`), the
+tree the engine builds from these numbers, and bootstrap standard errors: the numbers the trainer keeps its best
+heads by.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
+
+from inference.engine.tree import expected_tau_curve
 
 from .config import LossConfig
 from .errors import ArgumentParser
@@ -78,27 +83,78 @@ def conditional_rank_hits(heads: DraftHeads, states: torch.Tensor, greedy: torch
     return out
 
 
-def acceptance_from_hits(hits: torch.Tensor) -> dict[str, Any]:
-    """{"topk_accuracy": [[p(rank r) for r in 1..R] per head], "expected_tau", "positions"} from summed
-    hits [K, R + 1] (the last column: positions counted per head)."""
+def topk_from_hits(hits: torch.Tensor) -> list[list[float]]:
+    """[head][rank] p(the target's token is exactly that candidate | a right path) from summed hits [K, R + 1]."""
     hits = hits.double().cpu()
     counted = hits[:, -1]
-    acc = [[float(x) for x in hits[k, :-1] / max(float(counted[k]), 1.0)] for k in range(hits.shape[0])]
+    return [[float(x) for x in hits[k, :-1] / max(float(counted[k]), 1.0)] for k in range(hits.shape[0])]
+
+
+def chain_tau(topk_accuracy: Sequence[Sequence[float]]) -> float:
+    """Expected tau of a chain (top-1 per head, the bonus token included)."""
     tau, chain = 1.0, 1.0
-    for row in acc:
+    for row in topk_accuracy:
         chain *= row[0]
         tau += chain
-    return {"topk_accuracy": acc, "expected_tau": tau, "positions": int(counted[0]),
-            "positions_per_head": [int(x) for x in counted]}
+    return tau
+
+
+def tree_taus(topk_accuracy: Sequence[Sequence[float]], budgets: Iterable[int]) -> dict[int, float]:
+    """Expected tau of the best static tree at each budget (draft nodes, root excluded): the engine's own tree
+    search (`inference.engine.tree`), which shapes the tree a heads directory is served with."""
+    budgets = sorted(set(budgets))
+    if not budgets:
+        return {}
+    curve = expected_tau_curve(topk_accuracy, budgets[-1])
+    return {b: curve[b] for b in budgets}
+
+
+def acceptance_from_hits(hits: torch.Tensor, budgets: Iterable[int] = ()) -> dict[str, Any]:
+    """{"topk_accuracy": [[p(rank r) for r in 1..R] per head], "expected_tau" (chain), "expected_tau_tree"
+    ({budget: tau}), "expected_tau_curve", "positions"} from summed hits [K, R + 1] (the last column: positions
+    counted per head)."""
+    acc = topk_from_hits(hits)
+    counted = hits.double().cpu()[:, -1]
+    budgets = sorted(set(budgets))
+    curve = expected_tau_curve(acc, budgets[-1]) if budgets else [1.0]
+    return {"topk_accuracy": acc, "expected_tau": chain_tau(acc),
+            "expected_tau_tree": {str(b): curve[b] for b in budgets},
+            "expected_tau_curve": curve,  # [tau at budget 0, 1, ..., max(budgets)]
+            "positions": int(counted[0]), "positions_per_head": [int(x) for x in counted]}
+
+
+def bootstrap_stderr(seq_hits: torch.Tensor, budgets: Iterable[int] = (), samples: int = 200,
+                     seed: int = 0) -> dict[str, Any]:
+    """Standard errors of the chain's and each budget's expected tau, from `samples` resamples of the sequences
+    (per-sequence hits [N, K, R + 1]); a generator of its own, so the global RNG (training's) is untouched. Empty
+    for fewer than 2 sequences."""
+    n = seq_hits.shape[0]
+    if n < 2:  # no spread to measure
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(n, (samples, n), generator=g)
+    ones = torch.ones(samples, n, dtype=torch.float64)
+    weights = torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, idx, ones)  # [S, N] times drawn
+    resampled = (weights @ seq_hits.double().reshape(n, -1)).reshape(samples, *seq_hits.shape[1:])  # [S, K, R + 1]
+    chains, trees = [], {b: [] for b in sorted(set(budgets))}
+    for hits in resampled:
+        acc = topk_from_hits(hits)
+        chains.append(chain_tau(acc))
+        for b, t in tree_taus(acc, trees).items():
+            trees[b].append(t)
+    std = lambda xs: float(torch.tensor(xs, dtype=torch.float64).std())  # noqa: E731
+    return {"expected_tau_stderr": std(chains), "expected_tau_tree_stderr": {str(b): std(v) for b, v in trees.items()}}
 
 
 @torch.no_grad()
 def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, torch.Tensor]],
-             loss_cfg: LossConfig, max_batches: int = 0, accelerator=None) -> tuple[dict[str, float], dict[str, Any]]:
+             loss_cfg: LossConfig, max_batches: int = 0, accelerator=None,
+             budgets: Sequence[int] = (4, 8, 64)) -> tuple[dict[str, float], dict[str, Any]]:
     """Run the heads over held-out batches: (metrics, acceptance).
 
-    metrics: eval loss, per-head accuracies (as in training) and `expected_tau`; acceptance: the contents
-    of acceptance.json. With an `accelerator`, per-sequence counts are gathered across processes with
+    metrics: eval loss, per-head accuracies (as in training), `expected_tau` (a chain), `expected_tau@B` (the best
+    static tree of B draft nodes, per budget) and their bootstrap standard errors; acceptance: the contents of
+    acceptance.json. With an `accelerator`, per-sequence counts are gathered across processes with
     `gather_for_metrics`, so duplicated padding samples are dropped.
     """
     was_training = heads.training
@@ -109,7 +165,7 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
     dtype = next(heads.parameters()).dtype
     K = heads.spec.num_heads
     stats = torch.zeros(K, len(STATS))
-    hits = torch.zeros(K, MAX_RANK + 1)
+    seq_hits_all = []
     for i, batch in enumerate(batches):
         if max_batches and i >= max_batches:
             break
@@ -126,11 +182,19 @@ def evaluate(heads: DraftHeads, target: nn.Module, batches: Iterable[dict[str, t
         if accelerator is not None:
             per_seq, seq_hits = accelerator.gather_for_metrics((per_seq, seq_hits))
         stats += per_seq.sum(0).cpu()
-        hits += seq_hits.sum(0).cpu()
+        seq_hits_all.append(seq_hits.cpu())
     heads.train(was_training)
-    acceptance = acceptance_from_hits(hits)
+    seq_hits = torch.cat(seq_hits_all) if seq_hits_all else torch.zeros(0, K, MAX_RANK + 1)
+    acceptance = acceptance_from_hits(seq_hits.sum(0), budgets) | bootstrap_stderr(seq_hits, budgets)
+    acceptance["sequences"] = seq_hits.shape[0]
     metrics = summarize(stats, loss_cfg)
     metrics["expected_tau"] = acceptance["expected_tau"]
+    if "expected_tau_stderr" in acceptance:
+        metrics["expected_tau_stderr"] = acceptance["expected_tau_stderr"]
+    for b, tau in acceptance["expected_tau_tree"].items():
+        metrics[f"expected_tau@{b}"] = tau
+        if "expected_tau_tree_stderr" in acceptance:
+            metrics[f"expected_tau@{b}_stderr"] = acceptance["expected_tau_tree_stderr"][b]
     for k, row in enumerate(acceptance["topk_accuracy"]):
         metrics[f"head{k + 1}/accept_top1"] = row[0]
     return metrics, acceptance
@@ -164,13 +228,22 @@ def format_report(acceptance: dict[str, Any], ranks: int = 3) -> str:
     lines = [f"{'head':>4}  {'top-1':>6}  {f'top-{ranks}':>6}  {'positions':>9}"]
     for k, row in enumerate(acceptance["topk_accuracy"]):
         lines.append(f"{k + 1:>4}  {row[0]:>6.3f}  {sum(row[:ranks]):>6.3f}  {acceptance['positions_per_head'][k]:>9}")
-    lines.append(f"expected tau of a chain (top-1 per head, bonus token included): {acceptance['expected_tau']:.3f}")
+    lines.append(f"expected tau of a chain (top-1 per head, bonus token included): {acceptance['expected_tau']:.3f}"
+                 + _pm(acceptance.get("expected_tau_stderr")))
+    for b, tau in acceptance.get("expected_tau_tree", {}).items():
+        lines.append(f"expected tau of the best static tree of {b} draft nodes (the engine's tree search): {tau:.3f}"
+                     + _pm(acceptance.get("expected_tau_tree_stderr", {}).get(b)))
     return "\n".join(lines)
+
+
+def _pm(stderr: float | None) -> str:
+    return "" if stderr is None else f" +- {stderr:.3f}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m medusa_train.evaluate",
-                                description="Per-head acceptance and expected chain tau of trained heads on chat data.")
+                                description="Per-head acceptance and the expected tau of trained heads (a chain, "
+                                            "and the engine's static tree per budget) on chat data.")
     p.add_argument("recipe", help="recipe YAML: its target and data sections are used (override data.dataset)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dataset=replies.jsonl")
     p.add_argument("--heads", required=True, help="trained heads directory")
@@ -179,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-reply-tokens", type=int, default=0, help="score only each row's first N reply tokens")
     p.add_argument("--batch-size", type=int, default=None, help="default: the recipe's train.batch_size")
     p.add_argument("--max-batches", type=int, default=0, help="score only the first N batches (0: all)")
+    p.add_argument("--budgets", type=int, nargs="+", default=None,
+                   help="tree budgets (draft nodes) for the expected tau of the best static tree; default: the "
+                        "recipe's eval.tree_budgets")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="write the acceptance JSON here")
     return p
@@ -197,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_reply_tokens < 0 or args.max_batches < 0 or (args.batch_size is not None and args.batch_size < 1):
             raise ConfigError("--max-reply-tokens and --max-batches must be >= 0 (0: all), --batch-size >= 1")
+        if args.budgets is not None and min(args.budgets) < 1:
+            raise ConfigError(f"--budgets must be draft-node budgets >= 1, got {args.budgets}")
         heads_dir = Path(args.heads)
         if not heads_dir.is_dir():
             raise ConfigError(f"--heads: no such directory: {heads_dir}")
@@ -221,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(ds, batch_size=batch_size, shuffle=False,
                         collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))
     batches = ({k: v.to(device) for k, v in b.items()} for b in loader)
-    _, acceptance = evaluate(heads, target, batches, cfg.loss, args.max_batches)
+    _, acceptance = evaluate(heads, target, batches, cfg.loss, args.max_batches,
+                             budgets=args.budgets or cfg.eval.tree_budgets)
     rows = min(len(ds), args.max_batches * batch_size) if args.max_batches else len(ds)
     print(f"{heads_dir} on {cfg.data.dataset} ({args.split}: {rows} rows"
           f"{f', first {args.max_reply_tokens} reply tokens' if args.max_reply_tokens else ''}; "

@@ -116,3 +116,21 @@ def setup_tracking(accelerator, cfg: Config) -> None:
     if offline and accelerator.is_main_process:
         run_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
         accelerator.print(f"wandb: offline run in {run_dir} (no WANDB_API_KEY); upload it with: wandb sync {run_dir}")
+
+
+def log_acceptance(accelerator, cfg: Config, step: int, acceptance: dict[str, Any], final: bool = False) -> None:
+    """W&B (online or offline): a table of per-head, per-rank acceptance at this evaluation and, at the end, the
+    expected tau of the best static tree against its budget as a line plot (acceptance.json keeps the same curve)."""
+    if cfg.tracking.backend != "wandb" or not accelerator.is_main_process:
+        return
+    import wandb
+
+    acc = acceptance["topk_accuracy"]
+    rows = [[k + 1, r + 1, p, sum(row[:r + 1])] for k, row in enumerate(acc) for r, p in enumerate(row)]
+    data: dict[str, Any] = {"eval/acceptance": wandb.Table(columns=["head", "rank", "p", "cumulative"], data=rows)}
+    if final:
+        curve = wandb.Table(columns=["budget", "expected_tau"],
+                            data=[[b, t] for b, t in enumerate(acceptance["expected_tau_curve"])])
+        data["eval/expected_tau_curve"] = wandb.plot.line(curve, "budget", "expected_tau",
+                                                          title="expected tau of the best static tree by budget")
+    accelerator.get_tracker("wandb", unwrap=True).log(data, step=step)

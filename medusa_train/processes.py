@@ -141,13 +141,14 @@ def all_agree_to_stop(accelerator, requested: bool) -> bool:
     return bool(accelerator.reduce(flag, "max") > 0)
 
 
-def full_params(accelerator, model):
+def full_params(accelerator, model, writeback: bool = False):
     """A context in which `model`'s own parameters are whole on every process: FSDP gathers its shards
-    (for eval and the final save); DDP and single-process runs need nothing."""
+    (for eval and the final save; with `writeback`, what is written into them is sharded back on exit); DDP and
+    single-process runs need nothing."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        return FSDP.summon_full_params(model, writeback=False)
+        return FSDP.summon_full_params(model, writeback=writeback)
     return contextlib.nullcontext()

@@ -16,6 +16,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from .best import Best, drop_stale_best, keep_best_metric, restore_best
 from .checkpoints import METRICS_NAME, check_resumable, remove_stale_files, resume, resume_checkpoint
 from .config import Config, ConfigError
 from .data import build_datasets, collate, select_draft_vocab, token_counts
@@ -28,6 +29,7 @@ from .preflight import check_before_loading
 from .processes import check_joint_distributed, say_processes, setup_accelerator
 from .target import load_model, load_tokenizer, logit_transform, target_fingerprint
 from .target_states import TargetStates
+from .tau import tau_prompt_ids
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Run:
     eval_dl: Any | None
     total_steps: int
     peft: Any = None  # target.lora: the PeftModel around the target (whose base model `target` is)
+    best: Best = field(default_factory=lambda: Best("last"))  # the best heads so far (train.keep_best)
+    tau_prompts: list[list[int]] = field(default_factory=list)  # the real-tau prompts (main process; eval.tau_every)
     position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
                                                               "tokens": 0})
 
@@ -128,7 +132,26 @@ def setup(cfg: Config) -> Run:
     run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
               scheduler, train_dl, eval_dl, total_steps, peft=peft)
     resume(run, ckpt)
+    setup_best(run, eval_ds is not None, resumed=ckpt is not None)
+    if cfg.eval.tau_every and accelerator.is_main_process:
+        run.tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
+        if not run.tau_prompts:
+            where = cfg.eval.tau_prompts or "the held-out split"
+            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
+                              "prompts file")
     return run
+
+
+def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
+    """The measure the run keeps its best heads by, and (resumed) the best up to the checkpoint."""
+    cfg, accelerator = run.cfg, run.accelerator
+    run.best = restore_best(cfg, keep_best_metric(cfg, has_eval_split), run.position["step"] if resumed else None)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        drop_stale_best(cfg, run.best)
+    if run.best.step >= 0:
+        accelerator.print(f"resume: best heads so far from step {run.best.step} ({run.best.metric} "
+                          f"{run.best.value:.3f})")
 
 
 def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:

@@ -28,15 +28,19 @@ from typing import Any
 import torch
 import yaml
 
+from .best import load_best_heads, write_best
 from .checkpoints import RECIPE_NAME, save_checkpoint
 from .config import Config
 from .divergence import check_finite, check_loss_growth, count_nonfinite
 from .evaluate import evaluate, save_acceptance
 from .heads import DraftHeads
 from .joint import held_out_lm_kl, save_adapter
-from .metrics import Meter, log_row, wandb_offline
+from .metrics import Meter, log_acceptance, log_row, wandb_offline
 from .processes import StopRequest, all_agree_to_stop, full_params
 from .run import Run, setup
+from .tau import measure_tau, rng_devices
+
+STDERR_BAR = 0.02  # an evaluation whose expected tau is less certain than this says so
 
 
 @dataclass
@@ -135,9 +139,8 @@ def train_loop(run: Run) -> bool:
                     check_loss_growth(cfg, accelerator, meter, row["train/loss"], step)
                     bar.set_postfix(loss=f"{row['train/loss']:.3f}", acc1=f"{row['train/head1/top1_target']:.3f}",
                                     tok_s=f"{row['train/tokens_per_s']:.0f}")
-                if run.eval_dl is not None and cfg.eval.every and step % cfg.eval.every == 0 and not last:
-                    metrics, _ = evaluate_heads(run, run.eval_dl)
-                    log_row(accelerator, cfg, step, {f"eval/{k}": v for k, v in metrics.items()})
+                if is_eval_step(cfg, step, run.eval_dl is not None) and not last:  # the last one is finish's
+                    evaluate_and_keep(run, step, run.eval_dl, "eval")
                     run.objective.train()
                     meter.restart_clock()
                 stop.requested = all_agree_to_stop(accelerator, stop.requested)
@@ -164,13 +167,71 @@ def train_loop(run: Run) -> bool:
     return stop.requested
 
 
+def is_eval_step(cfg: Config, step: int, held_out: bool) -> bool:
+    """A held-out evaluation every eval.every steps, and one with a real-tau run every eval.tau_every steps."""
+    return (held_out and bool(cfg.eval.every) and step % cfg.eval.every == 0) or (
+        bool(cfg.eval.tau_every) and step % cfg.eval.tau_every == 0)
+
+
+def evaluate_and_keep(run: Run, step: int, batches, split: str, final: bool = False
+                      ) -> tuple[dict[str, float] | None, dict[str, Any] | None, float | None]:
+    """One evaluation: the held-out metrics (on `batches`, if any), the real tau on a tau step (and at the end),
+    logged together; if the recipe's measure beats the best so far, `best/` is rewritten. Returns (metrics,
+    acceptance, the measure's value)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    # neither evaluation moves the training's RNG (starting the eval loader draws a seed from it; a target's
+    # adapter dropout would draw other masks afterwards): on or off, eval.every and eval.tau_every train alike
+    with torch.random.fork_rng(devices=rng_devices(accelerator.device)):
+        metrics, acceptance = evaluate_heads(run, batches) if batches is not None else (None, None)
+        tau = None
+        if cfg.eval.tau_every and (final or step % cfg.eval.tau_every == 0):
+            tau = real_tau(run, acceptance)
+    prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
+    row = {f"{prefix}/{k}": v for k, v in (metrics or {}).items()}
+    if tau is not None:
+        row |= {"eval/tau": tau["tau"], "eval/tau_tokens_per_s": tau["tokens_per_s"]}
+    if metrics is not None and metrics.get("expected_tau_stderr", 0.0) > STDERR_BAR:
+        accelerator.print(f"step {step}: held-out expected tau {metrics['expected_tau']:.3f} +- "
+                          f"{metrics['expected_tau_stderr']:.3f} (bootstrap): raise eval.max_batches (0: the whole "
+                          "split) or data.eval_size for an error under 0.02")
+    best = run.best
+    value = best.score(cfg, metrics, tau)
+    if best.beaten_by(value):
+        best.step, best.value = step, float(value)
+        with full_params(accelerator, run.objective):
+            if accelerator.is_main_process:
+                write_best(cfg, best, run.heads, acceptance or {}, split, {"steps": step, "keep_best": best.metric})
+        accelerator.wait_for_everyone()
+    if best.step >= 0:
+        row |= best.row()
+    log_row(accelerator, cfg, step, row)
+    if acceptance is not None:
+        log_acceptance(accelerator, cfg, step, acceptance, final)
+    return metrics, acceptance, value
+
+
+def real_tau(run: Run, acceptance: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine's tau with the heads as they are (`tau.measure_tau`), measured by the main process while the
+    others wait; every process gets the result."""
+    from accelerate.utils import broadcast_object_list
+
+    cfg, accelerator = run.cfg, run.accelerator
+    result = None
+    with full_params(accelerator, run.objective):
+        if accelerator.is_main_process:
+            result = measure_tau(run.heads, run.target, acceptance["topk_accuracy"] if acceptance else None,
+                                 run.tau_prompts, cfg.eval.tau_budget, cfg.eval.tau_max_new_tokens)
+    accelerator.wait_for_everyone()
+    return broadcast_object_list([result])[0]
+
+
 def evaluate_heads(run: Run, batches) -> tuple[dict[str, float], dict[str, Any]]:
     """Held-out metrics and acceptance of the heads as they are (FSDP gathers their shards first); in joint training
     on the adapted target, with `lm_kl`: its mean KL to the original target per supervised position."""
     run.objective.eval()  # the adapters' dropout off (the loop turns training back on)
     with full_params(run.accelerator, run.objective):
         metrics, acceptance = evaluate(run.heads, run.target, batches, run.cfg.loss, run.cfg.eval.max_batches,
-                                       run.accelerator)
+                                       run.accelerator, budgets=[*run.cfg.eval.tree_budgets, run.cfg.eval.tau_budget])
     if run.peft is not None:
         metrics["lm_kl"] = held_out_lm_kl(run.peft, batches, run.cfg.eval.max_batches, run.cfg.loss.chunk_size,
                                           run.accelerator)
@@ -192,9 +253,16 @@ def finish(run: Run, stopped: bool) -> TrainResult:
         accelerator.print("no held-out split (data.eval_size=0): acceptance.json is measured on training batches")
     with full_params(accelerator, run.objective):
         check_finite(run.objective, position["step"])
-    metrics, acceptance = evaluate_heads(run, batches)
+    step, best = position["step"], run.best
+    _, acceptance, last_value = evaluate_and_keep(run, step, batches, split, final=True)
+    if best.metric != "last" and 0 <= best.step < step:  # the run ends with the best heads, not the last
+        acceptance = load_best_heads(cfg, accelerator, run.objective, run.heads)
+        accelerator.print(f"keep_best={best.metric}: the run ends with the heads of step {best.step} ({best.metric} "
+                          f"{best.value:.3f}; the last step's: {last_value:.3f}); train.keep_best=last keeps the last")
     if accelerator.is_main_process:
         training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
+        if best.metric != "last" and best.step >= 0:
+            training |= {"best_step": best.step, "keep_best": best.metric, best.metric: best.value}
         if cfg.heads.init_from:
             training["init_from"] = str(cfg.heads.init_from)
         if run.peft is not None:  # the adapter first: the heads' config names it, as the target they draft for
@@ -202,12 +270,14 @@ def finish(run: Run, stopped: bool) -> TrainResult:
             training["joint"] = {"lora_r": cfg.target.lora.r, "heads_warmup_steps": cfg.train.heads_warmup_steps}
         with full_params(accelerator, run.objective):
             run.heads.save_pretrained(out, extra={"training": training})
-    prefix = "eval" if split == "eval" else "eval_on_train"  # never mixed up with the training rows
-    log_row(accelerator, cfg, position["step"], {f"{prefix}/{k}": v for k, v in metrics.items()})
+    if best.metric != "last" and best.step >= 0:
+        log_row(accelerator, cfg, step, best.row() | {"best/final": True})
     if accelerator.is_main_process:
         (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         save_acceptance(out, acceptance, split)
-        accelerator.print(f"heads saved to {out} (expected tau of a chain: {acceptance['expected_tau']:.3f})")
+        taus = ", ".join(f"{b} nodes {t:.3f}" for b, t in acceptance["expected_tau_tree"].items())
+        accelerator.print(f"heads saved to {out} (expected tau of a chain: {acceptance['expected_tau']:.3f}; of the "
+                          f"best static tree: {taus})")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if cfg.tracking.backend == "wandb" and accelerator.is_main_process and wandb_offline():

@@ -18,13 +18,13 @@ ROOMS = {
     "target and data": ["medusa_train.target", "medusa_train.chat", "medusa_train.formats", "medusa_train.data",
                         "medusa_train.prompts"],
     "heads": ["medusa_train.eagle3", "medusa_train.heads", "medusa_train.losses", "medusa_train.target_states"],
-    "training": ["medusa_train.joint", "medusa_train.evaluate", "medusa_train.checkpoints", "medusa_train.preflight",
-                 "medusa_train.metrics", "medusa_train.optim", "medusa_train.processes", "medusa_train.divergence",
-                 "medusa_train.run", "medusa_train.trainer"],
     "engine": ["inference.engine.tree", "inference.engine.kernels", "inference.engine.kv", "inference.engine.verify",
                "inference.engine.support", "inference.engine.calibrate", "inference.engine.choice",
                "inference.engine.drafters",
                "inference.engine.compiled", "inference.engine.budget", "inference.engine.generator"],
+    "training": ["medusa_train.joint", "medusa_train.evaluate", "medusa_train.checkpoints", "medusa_train.preflight",
+                 "medusa_train.metrics", "medusa_train.optim", "medusa_train.processes", "medusa_train.divergence",
+                 "medusa_train.tau", "medusa_train.best", "medusa_train.run", "medusa_train.trainer"],
     "commands": ["medusa_train.cli", "medusa_train.distill", "medusa_train.export", "medusa_train.prepare",
                  "medusa_train.demo", "inference.generate"],
     "instruments": ["inference.bench", "inference.oracle", "inference.profile_step"],
@@ -34,8 +34,8 @@ BELOW = {  # what each room may import besides itself
     "base": [],
     "target and data": ["base"],
     "heads": ["base", "target and data"],
-    "training": ["base", "target and data", "heads"],
     "engine": ["base", "target and data", "heads"],  # never the trainer: serving needs no training code
+    "training": ["base", "target and data", "heads", "engine"],  # scoring heads as the engine serves them
     "commands": ["base", "target and data", "heads", "training", "engine"],
     "instruments": ["base", "target and data", "heads", "engine", "commands", "packages"],
     "packages": ["engine"],  # `inference` names the engine's public classes

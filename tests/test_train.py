@@ -60,12 +60,13 @@ def max_diff(a: Path, b: Path) -> float:
 
 @pytest.fixture(scope="module")
 def run20(ws: Path, tmp_path_factory):
-    """The reference run: 20 steps, checkpoints at 10 and 20, eval at 10, W&B in offline mode."""
+    """The reference run: 20 steps, checkpoints at 10 and 20, eval at 10, W&B in offline mode; it ends with its last
+    heads (keep_best=last), which the runs that resume or cache compare with (tests/test_keep_best.py: the best)."""
     env = {k: os.environ.pop(k) for k in ("WANDB_API_KEY", "WANDB_MODE") if k in os.environ}
     os.environ["WANDB_SILENT"] = "true"
     try:
         cfg = config(ws, "run20", "train.max_steps=20", "train.save_every=10", "eval.every=10",
-                     "tracking.backend=wandb", "tracking.project=test")
+                     "train.keep_best=last", "tracking.backend=wandb", "tracking.project=test")
         result = train(cfg)
     finally:
         os.environ.update(env)
@@ -148,6 +149,19 @@ def test_wandb_offline_run_holds_the_metrics(run20):
     assert [r["train/loss"] for r in history] == pytest.approx([r["train/loss"] for r in logged])
     assert [r["_step"] for r in history if "eval/expected_tau" in r] == [10, 20]
     assert all("train/head3/top5_target" in r and "train/lr" in r for r in history)
+    # per-head, per-rank acceptance as a table at each evaluation; the expected tau of the best static tree per
+    # budget against the step; at the end its curve against the budget, as a plot
+    assert [r["_step"] for r in history if r.get("eval/acceptance/_type") == "table-file"] == [10, 20]
+    assert [r["_step"] for r in history if "eval/expected_tau@8" in r] == [10, 20]
+    assert [r["_step"] for r in history if r.get("eval/expected_tau_curve_table/_type") == "table-file"] == [20]
+    files = runs[0] / "files"
+    table = json.loads((files / history[-1]["eval/acceptance/path"]).read_text())
+    acc = json.loads((Path(cfg.output_dir) / "acceptance.json").read_text())
+    assert table["columns"] == ["head", "rank", "p", "cumulative"]
+    assert [[h, r, p] for h, r, p, _ in table["data"]] == \
+        [[k + 1, r + 1, p] for k, row in enumerate(acc["topk_accuracy"]) for r, p in enumerate(row)]
+    curve = json.loads((files / history[-1]["eval/expected_tau_curve_table/path"]).read_text())
+    assert [t for _, t in curve["data"]] == pytest.approx(acc["expected_tau_curve"])
 
 
 def test_heads_round_trip_and_refuse_another_target(ws, run20):
@@ -175,7 +189,13 @@ def test_evaluate_cli_reproduces_the_held_out_acceptance_and_crops_replies(ws, r
     saved = json.loads((Path(cfg.output_dir) / "acceptance.json").read_text())
     assert got["positions_per_head"] == saved["positions_per_head"] and got["rows"] == 8
     assert got["expected_tau"] == pytest.approx(saved["expected_tau"])
-    assert f"{saved['expected_tau']:.3f}" in capsys.readouterr().out
+    # the tree-aware expected tau, at the recipe's budgets, as the trainer measured it
+    assert got["expected_tau_tree"].keys() == {"4", "8", "64"}
+    assert got["expected_tau_tree"] == pytest.approx({b: saved["expected_tau_tree"][b] for b in ("4", "8", "64")})
+    printed = capsys.readouterr().out
+    assert f"{saved['expected_tau']:.3f}" in printed
+    tree8 = saved["expected_tau_tree"]["8"]
+    assert f"best static tree of 8 draft nodes (the engine's tree search): {tree8:.3f}" in printed
 
     assert E.main(base + ["--out", str(tmp_path / "all.json")]) == 0
     assert E.main(base + ["--max-reply-tokens", "6", "--out", str(tmp_path / "crop.json")]) == 0
@@ -200,7 +220,8 @@ def test_resume_from_step_10_ends_where_the_uninterrupted_run_ends(ws, run20):
     cfg, _ = run20
     out = ws / "resumed"
     shutil.copytree(Path(cfg.output_dir) / "checkpoints" / "step-10", out / "checkpoints" / "step-10")
-    result = train(config(ws, "resumed", "train.max_steps=20", "train.save_every=10", "eval.every=10"))
+    result = train(config(ws, "resumed", "train.max_steps=20", "train.save_every=10", "eval.every=10",
+                          "train.keep_best=last"))
     assert result.step == 20
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [15, 20]
     assert [r["train/epoch"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r][-1] >= 1
@@ -421,7 +442,7 @@ def test_cached_hidden_states_give_the_same_heads(ws, run20, monkeypatch):
     cfg, _ = run20
     calls = spy_training_forwards(monkeypatch)
     result = train(config(ws, "cached", "train.max_steps=20", "train.save_every=10", "eval.every=10",
-                          "train.cache_hidden=true"))
+                          "train.keep_best=last", "train.cache_hidden=true"))
     assert result.step == 20
     assert [r["train/epoch"] for r in read_jsonl(ws / "cached" / "metrics.jsonl") if "train/loss" in r][-1] >= 1
     assert max_diff(Path(cfg.output_dir), ws / "cached") <= 1e-6
