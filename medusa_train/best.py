@@ -6,7 +6,7 @@ real tau the engine measured (`tau`), or the held-out expected tau of the static
 `best/` as a whole (heads, that step's acceptance.json, best.json with the step and the value), staged beside it and
 renamed into place, so a crash leaves the old best or the new one. A resumed run takes the best up to its
 checkpoint's step back from best.json; a fresh run starts without one. At the end `output_dir` gets the best heads
-unless the measure is `last`.
+unless the measure is `last`, and `output_dir/last/` the last step's (when they are not the best).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .processes import full_params
 
 BEST_DIR = "best"
 BEST_NAME = "best.json"
+LAST_DIR = "last"  # the last step's heads, when the run ends with the best
 
 
 def keep_best_metric(cfg: Config, has_eval_split: bool) -> str:
@@ -77,21 +78,32 @@ def restore_best(cfg: Config, metric: str, resumed_step: int | None) -> Best:
 
 
 def drop_stale_best(cfg: Config, best: Best) -> None:
-    """Remove a `best/` that is not the restored best (an older run's, or from after the checkpoint). Main process."""
+    """Remove a `best/` that is not the restored best (an older run's, or from after the checkpoint), and any `last/`
+    (written only when a run ends). Main process."""
     path = best_dir(cfg)
     if best.step < 0 and path.exists():
         shutil.rmtree(path)
+    shutil.rmtree(Path(cfg.output_dir) / LAST_DIR, ignore_errors=True)
 
 
 def write_best(cfg: Config, best: Best, heads, acceptance: dict[str, Any], split: str,
                extra: dict[str, Any]) -> Path:
     """Rewrite `best/` as a whole: the heads (their config records the step), acceptance.json, best.json."""
-    def write(staging: Path) -> None:
-        heads.save_pretrained(staging, extra={"training": {"best_step": best.step, **extra}})
-        write_json(staging / ACCEPTANCE_NAME, acceptance | {"split": split, "step": best.step})
-        write_json(staging / BEST_NAME, {"metric": best.metric, "step": best.step, "value": best.value})
+    record = {"metric": best.metric, "step": best.step, "value": best.value}
+    training = {"best_step": best.step, **extra}
+    return write_heads_dir(best_dir(cfg), heads, acceptance, split, best.step, training, record)
 
-    return atomic_write_dir(best_dir(cfg), write)
+
+def write_heads_dir(directory: Path, heads, acceptance: dict[str, Any], split: str, step: int,
+                    training: dict[str, Any], record: dict[str, Any] | None = None) -> Path:
+    """A heads directory the engine loads (heads, acceptance.json; with `record`, best.json), written as a whole."""
+    def write(staging: Path) -> None:
+        heads.save_pretrained(staging, extra={"training": training})
+        write_json(staging / ACCEPTANCE_NAME, acceptance | {"split": split, "step": step})
+        if record is not None:
+            write_json(staging / BEST_NAME, record)
+
+    return atomic_write_dir(directory, write)
 
 
 def load_best_heads(cfg: Config, accelerator, objective, heads) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import yaml
 
-from .best import load_best_heads, write_best
+from .best import LAST_DIR, load_best_heads, write_best, write_heads_dir
 from .checkpoints import RECIPE_NAME, save_checkpoint
 from .config import Config
 from .divergence import check_finite, check_loss_growth, count_nonfinite
@@ -256,6 +256,9 @@ def finish(run: Run, stopped: bool) -> TrainResult:
     step, best = position["step"], run.best
     _, acceptance, last_value = evaluate_and_keep(run, step, batches, split, final=True)
     if best.metric != "last" and 0 <= best.step < step:  # the run ends with the best heads, not the last
+        with full_params(accelerator, run.objective):
+            if accelerator.is_main_process:  # the last heads stay at hand, to compare
+                write_heads_dir(out / LAST_DIR, run.heads, acceptance, split, step, {"steps": step})
         acceptance = load_best_heads(cfg, accelerator, run.objective, run.heads)
         accelerator.print(f"keep_best={best.metric}: the run ends with the heads of step {best.step} ({best.metric} "
                           f"{best.value:.3f}; the last step's: {last_value:.3f}); train.keep_best=last keeps the last")

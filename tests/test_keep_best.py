@@ -108,9 +108,8 @@ def test_the_bootstrap_error_shrinks_as_sequences_grow_and_leaves_the_global_rng
 def test_the_logged_real_tau_is_the_engines_on_the_best_checkpoint(ws, tau_run):
     """best/ holds the step with the highest logged real tau, and an engine run of best/ on the same prompts, with
     the same budget and tokens, measures exactly the logged tau; output_dir ends with those heads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from inference import SpeculativeGenerator
     from medusa_train.data import build_datasets
     from medusa_train.tau import tau_prompt_ids
 
@@ -127,6 +126,8 @@ def test_the_logged_real_tau_is_the_engines_on_the_best_checkpoint(ws, tau_run):
     assert json.loads((out / "best" / "config.json").read_text())["training"]["best_step"] == best_step
     assert json.loads((out / "config.json").read_text())["training"]["best_step"] == best_step
     assert same_weights(out, out / "best")
+    assert best_step < 14 and not same_weights(out, out / "last")  # the last step's heads, kept beside
+    assert json.loads((out / "last" / "acceptance.json").read_text())["step"] == 14
     assert json.loads((out / "acceptance.json").read_text())["topk_accuracy"] == \
         json.loads((out / "best" / "acceptance.json").read_text())["topk_accuracy"]
 
@@ -134,13 +135,42 @@ def test_the_logged_real_tau_is_the_engines_on_the_best_checkpoint(ws, tau_run):
     _, eval_ds, _ = build_datasets(cfg, tokenizer)
     prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
     assert len(prompts) == 3 and all(p[-3:] == tokenizer("<|im_start|>assistant\n")["input_ids"][-3:] for p in prompts)
+    assert engine_tau(ws, out / "best", prompts) == taus[best_step]
+
+
+def engine_tau(ws: Path, heads_dir: Path, prompts: list[list[int]], budget: int = 4, tokens: int = 12) -> float:
+    """What a user measures on a saved heads directory: the engine, heads alone, the budget pinned."""
+    from transformers import AutoModelForCausalLM
+
+    from inference import SpeculativeGenerator
+
     target = AutoModelForCausalLM.from_pretrained(ws / "model", dtype=torch.float32)
-    gen = SpeculativeGenerator.from_pretrained(out / "best", target=target, lookup_nodes=0)
+    gen = SpeculativeGenerator.from_pretrained(heads_dir, target=target, lookup_nodes=0)
     new = forwards = 0
     for ids in prompts:
-        stats = gen.generate(ids, max_new_tokens=12, tree_budget=4).stats
+        stats = gen.generate(ids, max_new_tokens=tokens, tree_budget=budget).stats
         new, forwards = new + stats.new_tokens, forwards + stats.target_forwards
-    assert new / forwards == taus[best_step]
+    return new / forwards
+
+
+@pytest.mark.parametrize("kind", ["parallel", "eagle3", "chained-draft-vocab", "chained-context"])
+def test_every_kind_logs_the_engines_tau(ws, kind):
+    """Every head kind, with and without a draft vocabulary: the final real tau is the engine's on the saved heads."""
+    from transformers import AutoTokenizer
+
+    from medusa_train.data import build_datasets
+    from medusa_train.tau import tau_prompt_ids
+
+    heads = {"parallel": ["heads.kind=parallel"], "eagle3": ["heads.kind=eagle3"],
+             "chained-draft-vocab": ["heads.draft_vocab_size=64"], "chained-context": ["heads.context_layers=1"]}[kind]
+    cfg = config(ws, f"kind-{kind}", "train.max_steps=4", "train.keep_best=last", *heads, *TAU)
+    train(cfg)
+    out = Path(cfg.output_dir)
+    logged = [r["eval/tau"] for r in read_jsonl(out / "metrics.jsonl") if "eval/tau" in r]
+    assert len(logged) == 1  # step 4 is the last: measured once, by the final evaluation
+    tokenizer = AutoTokenizer.from_pretrained(ws / "model")
+    prompts = tau_prompt_ids(cfg, tokenizer, build_datasets(cfg, tokenizer)[1])
+    assert engine_tau(ws, out, prompts) == logged[0]
 
 
 def test_real_tau_leaves_training_as_it_was(ws, tau_run):
