@@ -326,12 +326,15 @@ def logit_transform(config) -> LogitTransform:
 _TRANSFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LogitTransform, read once
 
 
-def final_logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def final_logits(model: nn.Module, h: torch.Tensor, transform: LogitTransform | None = None) -> torch.Tensor:
     """The logits `model` itself returns for final hidden states h [..., d]: its LM head, then its transform (read
-    from its config once per model: this runs every verify step)."""
-    transform = _TRANSFORMS.get(model)
+    from its config once per model: this runs every verify step). Compiled code passes `transform`, read before
+    compiling: a traced lookup in the weak-keyed cache would be guarded on that cache's size, which the garbage
+    collector changes (torch.compile then fails the guard on the frame it just built)."""
     if transform is None:
-        transform = _TRANSFORMS[model] = logit_transform(model.config)
+        transform = _TRANSFORMS.get(model)
+        if transform is None:
+            transform = _TRANSFORMS[model] = logit_transform(model.config)
     logits = model.get_output_embeddings()(h)
     return logits if transform.identity else transform(logits)
 

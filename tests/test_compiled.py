@@ -139,3 +139,27 @@ def test_compile_argument_is_checked():
     model = float64_model("llama")
     with pytest.raises(ValueError, match="compile must be"):
         SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 2), model), compile=3)
+
+
+def test_the_compiled_verify_is_not_guarded_on_other_models():
+    """Models made or collected between two calls (the weak-keyed cache of logit transforms grows and shrinks) leave
+    the compiled verify as it was: dynamo once traced that cache and guarded on its size, so a garbage collection
+    between building a frame and checking it failed the run ("Guard failed on the same frame it was created")."""
+    import gc
+
+    from medusa_train.target import final_logits
+
+    model = float64_model("llama", seed=1)
+    ids = prompt(9, 3)
+    want = greedy_reference(model, ids, 12, eos_token_id=[])
+    gen = SpeculativeGenerator(model, None, HeadsDrafter(random_heads(model, "chained", 3, seed=2), model),
+                               compile="aot_eager")
+    assert gen.generate(ids, max_new_tokens=12, tree_budget=3, eos_token_id=[]).token_ids.tolist() == want.tolist()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    other = float64_model("llama", seed=3)  # of the same class: transformers guards its own per-class registry
+    final_logits(other, torch.zeros(1, other.config.hidden_size, dtype=torch.float64))  # one more cached transform
+    assert gen.generate(ids, max_new_tokens=12, tree_budget=3, eos_token_id=[]).token_ids.tolist() == want.tolist()
+    del other
+    gc.collect()  # and one fewer
+    assert gen.generate(ids, max_new_tokens=12, tree_budget=3, eos_token_id=[]).token_ids.tolist() == want.tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled again

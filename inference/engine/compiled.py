@@ -31,7 +31,7 @@ from torch import nn
 from inference.engine.kernels import undo_onednn_linear
 from inference.engine.kv import cache_kwargs, new_static_cache, set_static_length
 from inference.engine.tree import Tree
-from medusa_train.target import decoder, final_logits, hidden_with_layers
+from medusa_train.target import decoder, final_logits, hidden_with_layers, logit_transform
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # verify row counts compiled for (a tree is padded to the next)
 CAPACITY_STEP = 256  # cache capacity is reserved in multiples of this (each new capacity compiles again)
@@ -83,6 +83,7 @@ class StaticVerifier:
         # the prefix length as a device scalar, set with fill_ (a kernel argument: no host-to-device copy to wait
         # for), so a new length is new data for the compiled function, not a new graph
         self._prefix = torch.zeros((), dtype=torch.long, device=self.device)
+        self.transform = logit_transform(model.config)  # read here, never inside the compiled frame
         self._forward = torch.compile(self._verify_rows, dynamic=False, mode=mode, backend=backend)
 
     def reserve(self, length: int, keep: int = 0) -> None:
@@ -108,7 +109,7 @@ class StaticVerifier:
 
     def _verify_rows(self, tokens, depth, ancestors, prefix):
         h = self._run(tokens, depth, ancestors, prefix)
-        return final_logits(self.model, h[:, :self.hidden_size]), h
+        return final_logits(self.model, h[:, :self.hidden_size], self.transform), h
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt ([1, T]) into an emptied cache, eagerly: its features [T, d or more]."""
