@@ -25,7 +25,7 @@ for src in distilled original; do
   [ -f $W/heads-$src/acceptance.json ] || python train.py recipes/smollm2-135m.yaml target.model=$T \
       data.dataset=$W/$src.jsonl heads.draft_vocab_size=4096 heads.context_layers=0 train.lr=3e-3 \
       data.max_length=384 train.batch_size=4 train.max_steps=$STEPS train.warmup_steps=6 \
-      train.save_every=0 eval.every=0 tracking.backend=none resume=none output_dir=$W/heads-$src
+      train.save_every=0 eval.every=0 eval.tau_every=0 tracking.backend=none resume=none output_dir=$W/heads-$src
 done
 for src in distilled original; do
   python -m inference.bench --target $T --heads $W/heads-$src --methods chained --prompts $SHARED/mt_bench_question.jsonl \

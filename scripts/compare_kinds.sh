@@ -24,7 +24,7 @@ train() {  # kind steps
     python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
         target.dtype=bfloat16 heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
         train.lr=3e-3 train.batch_size=4 data.max_length=384 train.warmup_steps=$(( $2 / 20 )) train.save_every=0 \
-        eval.every="$2" eval.max_batches=4 train.log_every=$(( $2 / 20 )) tracking.backend=none output_dir="$out"
+        eval.every="$2" eval.max_batches=4 eval.tau_every=0 train.log_every=$(( $2 / 20 )) tracking.backend=none output_dir="$out"
     echo "$1: $2 steps trained in $(( SECONDS - t0 )) s" | tee -a "$WORK/train-times.txt"
 }
 train chained "$STEPS_CHAINED"

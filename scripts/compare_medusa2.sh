@@ -25,7 +25,7 @@ python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" targe
     --out "$WORK/distill-default.jsonl" --limit 256 --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
 common=(recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" target.dtype=bfloat16
         heads.draft_vocab_size=4096 heads.context_layers=0 train.lr=3e-3 train.batch_size=4 data.max_length=384
-        train.save_every=0 eval.max_batches=4 tracking.backend=none)
+        train.save_every=0 eval.max_batches=4 eval.tau_every=0 tracking.backend=none)
 run() {  # name steps overrides...
     local out="$WORK/$1" steps=$2
     shift 2

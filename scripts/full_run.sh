@@ -53,7 +53,7 @@ echo "=== [2/3] train chained heads, then parallel heads from the same hidden st
 for kind in chained parallel; do
   ctx=0; if [ $kind = chained ]; then ctx=1; fi   # the recipe's settings; Medusa-1 has no context encoder
   python train.py recipes/smollm2-135m.yaml target.model="$T" data.dataset="$W/data" heads.kind=$kind \
-      heads.context_layers=$ctx target.dtype=bfloat16 train.epochs="$EPOCHS" train.save_every=200 eval.every=0 \
+      heads.context_layers=$ctx target.dtype=bfloat16 train.epochs="$EPOCHS" train.save_every=200 eval.every=0 eval.tau_every=0 \
       train.hidden_cache_dir="$W/hidden" output_dir="$W/heads-$kind" 2>&1 | tee "$W/train-$kind.log"
 done
 

@@ -18,7 +18,7 @@ python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" --pro
 if [ ! -f "$WORK/heads-chained/acceptance.json" ]; then
     python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill.jsonl" \
         heads.context_layers=0 train.lr=3e-3 train.max_steps=240 train.batch_size=4 \
-        data.max_length=384 train.save_every=0 eval.every=0 tracking.backend=none output_dir="$WORK/heads-chained"
+        data.max_length=384 train.save_every=0 eval.every=0 eval.tau_every=0 tracking.backend=none output_dir="$WORK/heads-chained"
 fi
 python -m inference.bench --target "$T" --heads "$WORK/heads-chained" --methods ar,pld,ngram,chained,chained+ngram \
     --prompts "$WORK/heldout-prompts.jsonl" --limit 32 --max-new-tokens 128 --out "$WORK/small-target-gsm8k32.json"
