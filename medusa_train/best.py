@@ -33,6 +33,8 @@ def keep_best_metric(cfg: Config, has_eval_split: bool) -> str:
     k = cfg.train.keep_best
     if k != "auto":
         return k
+    if cfg.target.lora.r:  # joint training: the adapter trains too, and best/ keeps heads only
+        return "last"
     if cfg.eval.tau_every:
         return "tau"
     if cfg.eval.every and has_eval_split:

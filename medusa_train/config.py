@@ -187,9 +187,9 @@ class TrainConfig:
     """Which heads the run ends with. `tau`: the evaluation with the highest real tau (needs eval.tau_every);
     `expected_tau`: the highest held-out expected tau of the static tree at eval.tau_budget (needs a held-out split);
     `last`: the final step's. `auto`: tau when eval.tau_every is set, else expected_tau when evaluations run during
-    training (eval.every and a held-out split), else last. The best so far is kept in `output_dir/best/` (written
-    atomically at each evaluation that beats it) and `output_dir` ends with it; metrics.jsonl and W&B log
-    `best/step`."""
+    training (eval.every and a held-out split), else last (always last with target.lora, whose adapter trains
+    too). The best so far is kept in `output_dir/best/` (written atomically at each evaluation that beats it) and
+    `output_dir` ends with it, the last step's heads in `output_dir/last/`; metrics.jsonl and W&B log `best/step`."""
     hidden_cache_dir: str = ""
     """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)
@@ -578,6 +578,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(cfg.train.keep_best != "tau" or e.tau_every > 0,
          "train.keep_best=tau needs real-tau measurements: set eval.tau_every (e.g. eval.tau_every=100), or "
          "train.keep_best=expected_tau")
+    need(cfg.train.keep_best in ("auto", "last") or not cfg.target.lora.r,
+         f"train.keep_best={cfg.train.keep_best} keeps the best heads, but with target.lora the target's adapter "
+         "trains too and is saved at the end only: use train.keep_best=last (the real tau is still logged)")
     need(cfg.train.keep_best != "expected_tau" or held_out,
          "train.keep_best=expected_tau needs a held-out split: set data.eval_size (e.g. 0.03), or train.keep_best=last")
     need(bool(cfg.output_dir), "output_dir is required")

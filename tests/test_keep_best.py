@@ -263,6 +263,13 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
         assert not out.exists()
     with pytest.raises(ConfigError, match="eval.tau_every needs prompts"):
         config(ws, "x", "eval.tau_every=4", "data.eval_size=0")
+    with pytest.raises(ConfigError, match="with target.lora the target's adapter trains too"):
+        config(ws, "x", "eval.tau_every=4", "train.keep_best=tau", "target.lora.r=4")
+    from medusa_train.best import keep_best_metric
+    assert keep_best_metric(config(ws, "x", "eval.tau_every=4", "target.lora.r=4"), True) == "last"
+    assert keep_best_metric(config(ws, "x", "eval.tau_every=4"), True) == "tau"
+    assert keep_best_metric(config(ws, "x", "eval.every=4"), True) == "expected_tau"
+    assert keep_best_metric(config(ws, "x", "eval.every=4"), False) == "last"
 
 
 def test_two_processes_measure_the_real_tau_once_and_keep_the_same_best(ws):
