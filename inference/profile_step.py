@@ -40,6 +40,21 @@ def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
+def small_like(device: str, dtype: torch.dtype):
+    """The shape of scripts/small_target.py's model (Qwen2, 6 layers, d 384, vocabulary 8192, 12.6M parameters):
+    the fast target, where drafting is a large share of a step."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+SHAPES = {"smollm2": smollm2_like, "small": small_like}
+
+
 def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor], tree="static",
                       budget: int | str = "auto", max_new_tokens: int = 128, eos: set[int] | None = None,
                       temperature: float = 0.0) -> dict[str, float]:
@@ -94,15 +109,15 @@ def profile_generator(gen: SpeculativeGenerator, prompts: Sequence[torch.Tensor]
 def profile(device: str = "cpu", budget: int | str = 8, tree: str = "static", steps: int = 40, num_heads: int = 4,
             prompt_len: int = 128, temperature: float = 0.0, kind: str = "chained",
             draft_vocab: int = 0, dtype: torch.dtype | None = None, context_layers: int = 0,
-            lookup_nodes: int = 0, onednn: bool = True) -> dict[str, float]:
-    """The random mode: a SmolLM2-shaped random model and random heads, `steps` steps after one synthetic
-    prompt. draft_vocab > 0 gives the heads a reduced scored vocabulary (the first draft_vocab ids, standing in
+            lookup_nodes: int = 0, onednn: bool = True, shape: str = "smollm2") -> dict[str, float]:
+    """The random mode: a random model shaped like SmolLM2 (or, `shape="small"`, like the small fast target) and
+    random heads, `steps` steps after one synthetic prompt. draft_vocab > 0 gives the heads a reduced scored vocabulary (the first draft_vocab ids, standing in
     for the most frequent tokens); context_layers > 0 gives them a context encoder; lookup_nodes > 0 grafts
     n-gram lookup onto their tree (`HybridDrafter`)."""
     from medusa_train.heads import DraftHeads
 
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model = smollm2_like(device, dtype)
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    model = SHAPES[shape](device, dtype)
     if onednn:
         use_onednn_linear(model)
     heads = DraftHeads.for_target(model, kind=kind, num_heads=num_heads, context_layers=context_layers,
@@ -110,7 +125,7 @@ def profile(device: str = "cpu", budget: int | str = 8, tree: str = "static", st
     drafter = HeadsDrafter(heads, model)
     gen = SpeculativeGenerator(model, None, HybridDrafter(drafter, lookup_nodes=lookup_nodes) if lookup_nodes
                                else drafter)
-    ids = (torch.arange(prompt_len, device=device) * 37 + 11)[None] % 49152
+    ids = (torch.arange(prompt_len, device=device) * 37 + 11)[None] % model.config.vocab_size
     return profile_generator(gen, [ids], tree, budget, max_new_tokens=steps, temperature=temperature)
 
 
@@ -139,6 +154,8 @@ def main() -> None:
                         help="random mode: model and heads dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     random = parser.add_argument_group("random mode")
     random.add_argument("--steps", type=int, default=40)
+    random.add_argument("--shape", default="smollm2", choices=tuple(SHAPES),
+                        help="the random model's shape: SmolLM2-135M, or the small fast target (12.6M)")
     random.add_argument("--kind", default="chained", choices=("chained", "parallel", "eagle3"))
     random.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
     random.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
@@ -167,8 +184,9 @@ def main() -> None:
                 r = profile(device, budget, tree, args.steps, temperature=args.temperature, kind=args.kind,
                             draft_vocab=args.draft_vocab, dtype=getattr(torch, args.dtype) if args.dtype else None,
                             context_layers=args.context_layers, lookup_nodes=args.lookup_nodes or 0,
-                            onednn=args.cpu_linear == "onednn")
-                what = f"random {args.dtype or 'default dtype'} {args.kind} draft_vocab={args.draft_vocab or 'full'}"
+                            onednn=args.cpu_linear == "onednn", shape=args.shape)
+                what = (f"random {args.shape} {args.dtype or 'default dtype'} {args.kind} "
+                        f"draft_vocab={args.draft_vocab or 'full'}")
             print(f"{device} {what} tree={tree} budget={b} ({r['budget']}) T={args.temperature}: "
                   + " ".join(f"{k}={r[k]:.2f}ms" for k in PHASES + ("step",))
                   + f" rows={r['rows']:.2f} tau={r['tau']:.2f} engine/verify={100 * r['engine_share_of_verify']:.1f}%",

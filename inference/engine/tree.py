@@ -61,6 +61,10 @@ class Level:
 
     parents: [M] the distinct parent nodes (depth d-1) that have children at depth d.
     nodes: [C] the child nodes at depth d; slot: [C] index into `parents`; rank: [C] candidate rank.
+    Nodes are numbered depth by depth, so a level's nodes are the range [start, start + C), and indices local to
+    the level above (`inner_parents`: `parents` there; `inner_node_parents`: each node's parent there) and into the
+    parents' candidates flattened ([M * num_ranks]: `flat`) let drafting gather with a few index_selects and no
+    writes (`TreeDrafter.draft_static`). `all_parents`: every node of the level above has children here, in order.
     """
 
     parents: torch.Tensor
@@ -68,6 +72,11 @@ class Level:
     slot: torch.Tensor
     rank: torch.Tensor
     num_ranks: int
+    start: int = 0
+    inner_parents: torch.Tensor | None = None
+    inner_node_parents: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
+    all_parents: bool = False
 
 
 @dataclass
@@ -138,18 +147,28 @@ def topology_from_paths(paths: Sequence[Sequence[int]], device: torch.device | s
     depth = [len(p) for p in ordered]
     max_depth = max(depth)
     levels = []
+    above = [0]  # the nodes of the level above, in order
     for d in range(1, max_depth + 1):
         nodes = [i for i, p in enumerate(ordered) if len(p) == d]
         level_parents = sorted({parents[i] for i in nodes})
         slot_of = {p: s for s, p in enumerate(level_parents)}
         ranks = [ordered[i][-1] for i in nodes]
+        slots = [slot_of[parents[i]] for i in nodes]
+        num_ranks = max(ranks) + 1
+        local = {node: j for j, node in enumerate(above)}
         levels.append(Level(
             parents=torch.tensor(level_parents, device=device),
             nodes=torch.tensor(nodes, device=device),
-            slot=torch.tensor([slot_of[parents[i]] for i in nodes], device=device),
+            slot=torch.tensor(slots, device=device),
             rank=torch.tensor(ranks, device=device),
-            num_ranks=max(ranks) + 1,
+            num_ranks=num_ranks,
+            start=nodes[0],
+            inner_parents=torch.tensor([local[p] for p in level_parents], device=device),
+            inner_node_parents=torch.tensor([local[parents[i]] for i in nodes], device=device),
+            flat=torch.tensor([s * num_ranks + r for s, r in zip(slots, ranks)], device=device),
+            all_parents=level_parents == above,
         ))
+        above = nodes
     parents_t = torch.tensor(parents, device=device)
     return TreeTopology(ordered, parents_t, torch.tensor(depth, device=device),
                         ancestor_matrix(parents_t, max_depth), levels)
