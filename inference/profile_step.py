@@ -111,9 +111,9 @@ def profile(device: str = "cpu", budget: int | str = 8, tree: str = "static", st
             draft_vocab: int = 0, dtype: torch.dtype | None = None, context_layers: int = 0,
             lookup_nodes: int = 0, onednn: bool = True, shape: str = "smollm2") -> dict[str, float]:
     """The random mode: a random model shaped like SmolLM2 (or, `shape="small"`, like the small fast target) and
-    random heads, `steps` steps after one synthetic prompt. draft_vocab > 0 gives the heads a reduced scored vocabulary (the first draft_vocab ids, standing in
-    for the most frequent tokens); context_layers > 0 gives them a context encoder; lookup_nodes > 0 grafts
-    n-gram lookup onto their tree (`HybridDrafter`)."""
+    random heads, `steps` steps after one synthetic prompt. draft_vocab > 0 gives the heads a reduced scored
+    vocabulary (the first draft_vocab ids, standing in for the most frequent tokens); context_layers > 0 gives them
+    a context encoder; lookup_nodes > 0 grafts n-gram lookup onto their tree (`HybridDrafter`)."""
     from medusa_train.heads import DraftHeads
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)

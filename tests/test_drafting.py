@@ -100,16 +100,20 @@ def draft_context(model, drafter: HeadsDrafter, committed: list[int], tree: str 
 
 def check_static_tree(tree, heads, model, committed: list[int], paths) -> None:
     """Every node's token is the candidate of its rank path's last rank in the training forward's ranking after
-    its parent's path; together the nodes hold exactly the rank paths of the tree's shape."""
+    its parent's path, and its score the sum of its path's draft log-probabilities (what the calibrated trim and
+    lossless sampling read); together the nodes hold exactly the rank paths of the tree's shape."""
     got = set()
     for i in range(1, tree.size):
         nodes = path_nodes(tree, i)
         tokens = [int(tree.tokens[j]) for j in nodes[1:]]
-        ranks = []
+        ranks, logq = [], 0.0
         for d in range(len(tokens)):
-            ranking, _ = training_ranking(heads, model, committed, tokens[:d])
+            ranking, logp = training_ranking(heads, model, committed, tokens[:d])
             assert tokens[d] in ranking, f"node {i}: token {tokens[d]} is not a candidate of head {d + 1}"
             ranks.append(ranking.index(tokens[d]))
+            logq += float(logp[ranks[-1]])
+        if tree.scores is not None:  # (a tree cut out of a hybrid's carries none)
+            assert float(tree.scores[i].detach()) == pytest.approx(logq, rel=1e-4, abs=1e-4), f"node {i}: score"
         got.add(tuple(ranks))
     assert got == set(map(tuple, paths))
 

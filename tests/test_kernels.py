@@ -57,6 +57,36 @@ def test_packed_weights_follow_the_weight():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
+def test_a_drafters_layers_take_the_kernel_this_machine_times_faster(monkeypatch):
+    """use_fastest_linear routes each layer by the timing of its shape (times planted here: oneDNN faster for the
+    block's shape, MKL for the projection's), measures a shape once, and a later choice undoes an earlier one."""
+    if not kernels.onednn_linear_available():
+        pytest.skip("this PyTorch has no oneDNN linear")
+    timed = []
+    planted = {(8, 4): True, (4, 16): False}
+
+    def fake(layer, rows, calls=40):
+        key = (layer.in_features, layer.out_features, layer.bias is not None, rows)
+        if key not in kernels._FASTER_ONEDNN:
+            timed.append(key)
+            kernels._FASTER_ONEDNN[key] = planted[(layer.in_features, layer.out_features)]
+        return kernels._FASTER_ONEDNN[key]
+
+    monkeypatch.setattr(kernels, "_FASTER_ONEDNN", {})
+    monkeypatch.setattr(kernels, "_onednn_is_faster", fake)
+    model = torch.nn.ModuleList([torch.nn.Linear(8, 4), torch.nn.Linear(4, 16, bias=False), torch.nn.Linear(8, 4)])
+    assert kernels.use_fastest_linear(model, rows=3) == 2
+    assert [uses_onednn_linear(m) for m in model] == [True, False, True]
+    assert len(timed) == 2  # one timing per shape
+    with torch.no_grad():
+        for layer in model:  # the same float32 math either way
+            x = torch.randn(3, layer.in_features)
+            assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-6)
+    planted[(8, 4)] = False
+    kernels._FASTER_ONEDNN.clear()
+    assert kernels.use_fastest_linear(model, rows=3) == 0 and not uses_onednn_linear(model)
+
+
 def test_gradients_and_float64_keep_f_linear():
     lin = torch.nn.Linear(8, 4)
     use_onednn_linear(lin)

@@ -31,12 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.engine.kernels import use_onednn_linear
+from inference.engine.kernels import use_fastest_linear
 from inference.engine.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
                                    select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
 from medusa_train.target import logit_transform
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
+
+
+DRAFT_ROWS = 3  # rows a head's linear layers see per call in a CPU-sized tree (1-4 nodes a level): their kernel is
+# timed at this count (`use_fastest_linear`)
 
 
 @dataclass
@@ -217,7 +221,7 @@ class HeadsDrafter(TreeDrafter):
         super().__init__()
         weight = target.get_output_embeddings().weight
         self.heads = heads.to(device=weight.device, dtype=weight.dtype).eval()
-        use_onednn_linear(self.heads)  # float32 on a CPU: small-M matmuls are 2x faster on oneDNN than MKL
+        use_fastest_linear(self.heads, DRAFT_ROWS)  # float32 on a CPU: MKL or oneDNN, whichever drafts faster here
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         # the target's own final-logit transform (a scale, a soft cap): the draft distribution q is then on the
@@ -238,7 +242,7 @@ class HeadsDrafter(TreeDrafter):
             rows = heads.scoring_weight(0, self.lm_head).detach().contiguous()
             self._draft_lm = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
             self._draft_lm.weight = nn.Parameter(rows, requires_grad=False)
-            use_onednn_linear(self._draft_lm)
+            use_fastest_linear(self._draft_lm, DRAFT_ROWS)
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:
