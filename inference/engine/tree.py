@@ -16,6 +16,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 Path = tuple[int, ...]
@@ -187,13 +188,17 @@ def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 
 def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor | None,
-             keep: torch.Tensor, max_depth: int, lookup: torch.Tensor | None = None) -> Tree:
+             keep: torch.Tensor, max_depth: int, lookup: torch.Tensor | None = None,
+             ancestors: torch.Tensor | None = None) -> Tree:
     """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered;
-    max_depth may be an upper bound of the kept nodes' depth."""
+    max_depth may be an upper bound of the kept nodes' depth. `ancestors` (the whole tree's) is cut down rather
+    than rebuilt: kept nodes' ancestors are kept nodes."""
     new_index = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
     new_index[keep] = torch.arange(keep.shape[0], device=tokens.device)
-    return tree_from_parents(tokens[keep], new_index[parents[keep]], depth[keep], max_depth,
-                             None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep])
+    parents_kept = new_index[parents[keep]]
+    ancestors = ancestor_matrix(parents_kept, max_depth) if ancestors is None else ancestors[keep][:, keep]
+    return Tree(tokens[keep], parents_kept, depth[keep], ancestors, max_depth,
+                None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep])
 
 
 def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float], fixed: float = 0.0
@@ -208,25 +213,26 @@ def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[floa
 
 def best_nodes(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float], fixed: float = 0.0
                ) -> tuple[torch.Tensor | None, float]:
-    """`trim_keep`'s choice and its expected tokens per second."""
+    """`trim_keep`'s choice and its expected tokens per second (on the host, in NumPy: a dozen nodes)."""
     n = path_logp.shape[0]
     if n <= 1:
         return None, 1.0 / (costs[1] + fixed)
     limit = min(n, len(costs) - 1)  # nodes the costs cover
-    key = _rank_key(path_logp, depth)
-    order = torch.argsort(key, descending=True, stable=True)[:limit - 1] + 1  # best nodes first
-    gain = 1 + torch.cat([key.new_zeros(1), torch.cumsum(path_logp[order].float().exp(), 0)])  # [limit]
-    seconds = torch.as_tensor(costs[1:limit + 1], dtype=gain.dtype, device=gain.device) + fixed
-    rate = gain / seconds
-    k = int(torch.argmax(rate))  # first maximum: the smaller tree on ties
+    logp = path_logp.detach().cpu().numpy().astype(np.float64)
+    key = logp[1:].astype(np.float32) - np.float32(1e-4) * depth[1:].cpu().numpy().astype(np.float32)  # _rank_key
+    order = np.argsort(-key, kind="stable")[:limit - 1] + 1  # best nodes first
+    gain = 1 + np.concatenate([[0.0], np.cumsum(np.exp(logp[order].astype(np.float32)), dtype=np.float32)])
+    rate = gain / (np.asarray(costs[1:limit + 1], dtype=np.float32) + np.float32(fixed))
+    k = int(np.argmax(rate))  # first maximum: the smaller tree on ties
     if k == n - 1:
         return None, float(rate[k])
-    return torch.sort(torch.cat([order.new_zeros(1), order[:k]])).values, float(rate[k])
+    return torch.from_numpy(np.sort(np.concatenate([[0], order[:k]])).astype(np.int64)), float(rate[k])
 
 
 def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
     """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered."""
-    return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup)
+    return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup,
+                    tree.ancestors)
 
 
 def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool = True,
