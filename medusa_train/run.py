@@ -96,6 +96,13 @@ def setup(cfg: Config) -> Run:
             f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
                                 "data/tokens": info["tokens"], "data/dropped": dropped,
                                 "data/drop_reasons": info["drop_reasons"]}) + "\n")
+    tau_prompts = []  # the real tau's prompts, read before the model loads (the main process generates)
+    if cfg.eval.tau_every and accelerator.is_main_process:
+        tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
+        if not tau_prompts:
+            where = cfg.eval.tau_prompts or "the held-out split"
+            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
+                              "prompts file")
     target = load_model(cfg.target, accelerator.device)
     peft = None
     if cfg.target.lora.r:
@@ -133,12 +140,7 @@ def setup(cfg: Config) -> Run:
               scheduler, train_dl, eval_dl, total_steps, peft=peft)
     resume(run, ckpt)
     setup_best(run, eval_ds is not None, resumed=ckpt is not None)
-    if cfg.eval.tau_every and accelerator.is_main_process:
-        run.tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
-        if not run.tau_prompts:
-            where = cfg.eval.tau_prompts or "the held-out split"
-            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
-                              "prompts file")
+    run.tau_prompts = tau_prompts
     return run
 
 

@@ -261,6 +261,14 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not out.exists()
+    import medusa_train.run as run_setup
+
+    empty = tmp_path / "no-prompts.jsonl"
+    empty.write_text('{"score": 1}\n')
+    with pytest.MonkeyPatch.context() as mp:  # a prompts file without prompts: refused before the model loads
+        mp.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+        with pytest.raises(ConfigError, match="no row holds a prompt"):
+            train(config(ws, "x-empty", "eval.tau_every=4", f"eval.tau_prompts={empty}"))
     with pytest.raises(ConfigError, match="eval.tau_every needs prompts"):
         config(ws, "x", "eval.tau_every=4", "data.eval_size=0")
     with pytest.raises(ConfigError, match="with target.lora the target's adapter trains too"):
