@@ -50,3 +50,12 @@ def test_profile_generator_reports_every_phase_and_tau():
     engine = sum(r[p] for p in PHASES if p != "verify")
     assert r["engine_share_of_verify"] == engine / r["verify"]
     assert 1.0 <= r["tau"] <= gen.drafter.max_depth + 1  # each forward: the bonus token, at most a full path more
+
+
+def test_the_random_mode_profiles_the_small_targets_shape():
+    """`python -m inference.profile_step --shape small` (the random mode, default dtype: it once crashed on a
+    torch.device): a Qwen2 model of the small target's shape, heads on a draft vocabulary, a fixed budget."""
+    from inference.profile_step import profile
+
+    r = profile(torch.device("cpu"), budget=4, steps=6, draft_vocab=64, shape="small")  # as main() passes it
+    assert r["rows"] == 5.0 and r["budget"] == 4 and r["draft"] > 0 and r["verify"] > 0
