@@ -14,7 +14,8 @@ which `data.dataset` reads as chat (supervised on the reply only).
     accelerate launch -m medusa_train.distill RECIPE --prompts data/sharegpt.json --out runs/sg.jsonl \\
         --exclude mt_bench_question.jsonl
 
-- Prompts: `default` (the project's own offline pool, `medusa_train.prompts`), or any json/jsonl/parquet
+- Prompts: `self` (the target writes them: `medusa_train.self_prompts`; `--limit N` requests, filtered), `default`
+  (the project's own offline pool, `medusa_train.prompts`), or any json/jsonl/parquet
   file, directory, glob or hub dataset whose rows hold a prompt/question/instruction, ShareGPT
   conversations, messages or MT-Bench turns (the first user turn is the prompt).
 - `--exclude FILE` drops every prompt that appears in FILE (all its user turns), so benchmark prompts
@@ -181,13 +182,14 @@ def _order(prompts: list[Prompt], lengths: list[int], order: Order) -> list[int]
 def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, limit: int = 0,
             order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
-            world_size: int = 1, progress: bool = True) -> dict[str, int]:
+            world_size: int = 1, progress: bool = True, row_extra: dict[str, Any] | None = None) -> dict[str, int]:
     """Write the target's replies to `prompts` into `out` (JSONL), skipping ids already there.
 
     Prompts longer than `max_prompt_tokens` are skipped; `order` then `limit` pick which prompts form the
     job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
     prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
     Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`.
+    `row_extra` is recorded in every row written (self-written prompts say so).
     """
     from tqdm.auto import tqdm
 
@@ -226,7 +228,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
             for i, (text, finish, n_new) in zip(batch, replies):
                 row = {"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
                                                       {"role": "assistant", "content": text}],
-                       "finish": finish, "generation": settings}
+                       "finish": finish, "generation": settings, **(row_extra or {})}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 written += 1
             f.flush()  # a crash loses at most the batch in flight
@@ -275,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Write the target's own replies to a prompt pool as chat JSONL.")
     p.add_argument("recipe", help="recipe YAML; only its target section is used")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.model=/path/to/model")
-    p.add_argument("--prompts", required=True, help="`default` (offline pool) or a json/jsonl/parquet file, "
-                                                    "directory, glob or hub dataset with prompts")
+    p.add_argument("--prompts", required=True, help="`self` (the target writes them; with --limit N), `default` "
+                                                    "(offline pool) or a json/jsonl/parquet file, directory, glob "
+                                                    "or hub dataset with prompts")
     p.add_argument("--out", required=True, help="output JSONL (appended to; a rerun skips finished ids)")
     p.add_argument("--exclude", action="append", default=[], help="drop prompts found in this file "
                                                                    "(repeatable), e.g. the benchmark's")
@@ -288,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--seed", type=int, default=0)
+    own = p.add_argument_group("--prompts self: the target writes the prompts (medusa_train.self_prompts)")
+    own.add_argument("--self-temperature", type=float, default=1.0, help="sampling temperature of the requests")
+    own.add_argument("--self-top-p", type=float, default=0.95)
+    own.add_argument("--self-max-tokens", type=int, default=96, help="a request not closed by then is dropped")
+    own.add_argument("--latin-only", action="store_true", help="drop requests mostly outside the Latin alphabet")
     return p
 
 
@@ -305,9 +313,35 @@ def _check_args(args: argparse.Namespace) -> None:
     for f in args.exclude:
         if not Path(f).exists():
             raise ConfigError(f"--exclude: file not found: {f}")
+    if args.prompts == "self":
+        if args.limit < 1:
+            raise ConfigError("--prompts self needs --limit N: how many requests the target samples (then filtered)")
+        if args.self_temperature <= 0 or not 0 < args.self_top_p <= 1 or args.self_max_tokens < 1:
+            raise ConfigError("--self-temperature must be > 0, --self-top-p in (0, 1], --self-max-tokens >= 1")
+        return
     if args.prompts != "default" and not Path(args.prompts).exists() and (
             args.prompts.endswith((".json", ".jsonl", ".parquet")) or os.sep in args.prompts):
         raise ConfigError(f"--prompts: file not found: {args.prompts} (or use --prompts default)")
+
+
+def self_written(model, tokenizer, args: argparse.Namespace, say) -> list[Prompt]:
+    """`--limit` requests sampled by the target from its user-turn prefix (every process draws the same ones: the
+    seed fixes them), filtered, `--exclude` files' prompts removed; ids `self-SEED-I` (I: the sample's index), so a
+    rerun redraws the same requests and skips the ones answered."""
+    from .self_prompts import filter_prompts, sample_user_turns
+
+    samples = sample_user_turns(model, tokenizer, args.limit, temperature=args.self_temperature,
+                                top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
+                                batch_size=args.batch_size, seed=args.seed)
+    verdict = filter_prompts(samples, latin_only=args.latin_only)
+    prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
+    kept = len(prompts)
+    if args.exclude:
+        prompts = exclude_prompts(prompts, args.exclude)
+    verdict.dropped["excluded"] = kept - len(prompts)
+    dropped = ", ".join(f"{n} {reason}" for reason, n in verdict.dropped.items() if n)
+    say(f"[distill] the target wrote {len(samples)} requests; {len(prompts)} kept ({dropped or 'none dropped'})")
+    return prompts
 
 
 def _interrupt(signum, frame) -> None:
@@ -323,9 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         # Only the target matters here; the recipe's data.dataset is usually the file we are about to write.
         cfg = load_config(args.recipe, list(args.overrides) + ["data.dataset=distill-prompts"])
         check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p))
-        prompts = load_prompts(args.prompts)
+        own = args.prompts == "self"
+        if own:  # the template's user turn is checked now, before the model loads
+            from .self_prompts import user_turn_prefix
+            from .target import load_tokenizer
+
+            user_turn_prefix(load_tokenizer(cfg.target))
+            prompts = []
+        else:
+            prompts = load_prompts(args.prompts)
         n_pool = len(prompts)
-        if args.exclude:
+        if args.exclude and not own:
             prompts = exclude_prompts(prompts, args.exclude)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -337,21 +379,25 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = Accelerator()
     say = accelerator.print
-    say(f"[distill] {len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded); "
-        f"target {cfg.target.model}; {accelerator.num_processes} process(es)")
+    pool = (f"{args.limit} requests the target writes itself" if own
+            else f"{len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded)")
+    say(f"[distill] {pool}; target {cfg.target.model}; {accelerator.num_processes} process(es)")
     out = Path(args.out)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop, like Ctrl-C
     try:
         model, tokenizer = load_target(cfg.target, device=accelerator.device)
+        if own:
+            prompts = self_written(model, tokenizer, args, say)
         if accelerator.is_main_process and _parts(out):
             merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
         accelerator.wait_for_everyone()
         before = len(_ids_in(out))
         counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size, limit=args.limit,
+                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+                         limit=0 if own else args.limit,
                          order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                          rank=accelerator.process_index, world_size=accelerator.num_processes,
-                         progress=accelerator.is_main_process)
+                         progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None)
     except KeyboardInterrupt:  # every finished batch is on disk (fsynced): say so, no traceback
         if accelerator.is_main_process:
             print(f"\n[distill] stopped: {out} and its parts hold {len(read_done(out)[0])} rows; rerun the same "
