@@ -89,6 +89,7 @@ def filter_prompts(samples: list[tuple[str, bool]], *, min_words: int = 4, near_
     result = Filtered(dropped={k: 0 for k in ("empty", "short", "unfinished", "repetitive", "near_duplicate",
                                               "language", "excluded")})
     seen: list[set[tuple[str, ...]]] = []
+    holders: dict[tuple[str, ...], list[int]] = {}  # shingle -> kept prompts holding it: compare with those only
     for i, (text, finished) in enumerate(samples):
         words = _words(text)
         grams = [tuple(words[j:j + 3]) for j in range(len(words) - 2)]
@@ -108,9 +109,12 @@ def filter_prompts(samples: list[tuple[str, bool]], *, min_words: int = 4, near_
             reason = "excluded"
         else:
             mine = _shingles(words)
-            if any(len(mine & other) / len(mine | other) >= near_duplicate for other in seen):
+            others = {j for g in mine for j in holders.get(g, ())}  # Jaccard > 0 needs a shared shingle
+            if any(len(mine & seen[j]) / len(mine | seen[j]) >= near_duplicate for j in others):
                 reason = "near_duplicate"
             else:
+                for g in mine:
+                    holders.setdefault(g, []).append(len(seen))
                 seen.append(mine)
         if reason is None:
             result.kept.append(i)
