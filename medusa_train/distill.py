@@ -326,15 +326,52 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prompts: file not found: {args.prompts} (or use --prompts default)")
 
 
-def self_written(model, tokenizer, args: argparse.Namespace, say) -> list[Prompt]:
-    """`--limit` requests sampled by the target from its user-turn prefix (every process draws the same ones: the
-    seed fixes them), filtered, `--exclude` files' prompts removed; ids `self-SEED-I` (I: the sample's index), so a
-    rerun redraws the same requests and skips the ones answered."""
+def requests_file(out: Path) -> Path:
+    return out.with_name(out.name + ".requests")
+
+
+def request_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What fixes the self-written requests: a cache drawn with other settings must not be mixed in."""
+    return {"seed": args.seed, "temperature": args.self_temperature, "top_p": args.self_top_p,
+            "max_tokens": args.self_max_tokens, "batch_size": args.batch_size}
+
+
+def read_requests(cache: Path, settings: dict[str, Any]) -> dict[int, tuple[str, bool]]:
+    """The requests drawn before, by index; ConfigError (before any model loads) if drawn with other settings."""
+    have: dict[int, tuple[str, bool]] = {}
+    for row in _rows(cache):
+        if row.get("settings") != settings:
+            raise ConfigError(f"{cache} holds requests drawn with {row.get('settings')} (this run: {settings}): "
+                              "rerun with the same --seed, --self-* and --batch-size, or write to another --out")
+        have[int(row["id"])] = (row["text"], bool(row["finished"]))
+    return have
+
+
+def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, main_process: bool = True
+                 ) -> list[Prompt]:
+    """`--limit` requests sampled by the target from its user-turn prefix, filtered, `--exclude` files' prompts
+    removed; ids `self-SEED-I` (I: the sample's index). Samples are kept in `OUT.requests` (the main process appends
+    them), so a rerun draws only those it lacks; the seed fixes every sample, so a process that draws one again
+    draws the same."""
     from .self_prompts import filter_prompts, sample_user_turns
 
-    samples = sample_user_turns(model, tokenizer, args.limit, temperature=args.self_temperature,
+    cache, settings = requests_file(out), request_settings(args)
+    have = read_requests(cache, settings)
+    start = next(i for i in range(args.limit + 1) if i not in have)  # the drawn prefix
+    samples = [have[i] for i in range(start)]
+    if start < args.limit:
+        new = sample_user_turns(model, tokenizer, args.limit - start, temperature=args.self_temperature,
                                 top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
-                                batch_size=args.batch_size, seed=args.seed)
+                                batch_size=args.batch_size, seed=args.seed, start=start)
+        samples += new
+        if main_process:
+            _repair_tail(cache)
+            with cache.open("a", encoding="utf-8") as f:
+                for i, (text, finished) in enumerate(new, start):
+                    f.write(json.dumps({"id": i, "text": text, "finished": finished, "settings": settings},
+                                       ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
     verdict = filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
     kept = len(prompts)
@@ -342,7 +379,8 @@ def self_written(model, tokenizer, args: argparse.Namespace, say) -> list[Prompt
         prompts = exclude_prompts(prompts, args.exclude)
     verdict.dropped["excluded"] = kept - len(prompts)
     dropped = ", ".join(f"{n} {reason}" for reason, n in verdict.dropped.items() if n)
-    say(f"[distill] the target wrote {len(samples)} requests; {len(prompts)} kept ({dropped or 'none dropped'})")
+    say(f"[distill] the target wrote {len(samples)} requests ({start} read back from {cache.name}); "
+        f"{len(prompts)} kept ({dropped or 'none dropped'})")
     return prompts
 
 
@@ -365,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             from .target import load_tokenizer
 
             user_turn_prefix(load_tokenizer(cfg.target))
+            read_requests(requests_file(Path(args.out)), request_settings(args))
             prompts = []
         else:
             prompts = load_prompts(args.prompts)
@@ -389,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer = load_target(cfg.target, device=accelerator.device)
         if own:
-            prompts = self_written(model, tokenizer, args, say)
+            prompts = self_written(model, tokenizer, args, say, out, accelerator.is_main_process)
         if accelerator.is_main_process and _parts(out):
             merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
         accelerator.wait_for_everyone()

@@ -75,21 +75,26 @@ def test_distill_answers_the_kept_requests_excludes_benchmarks_and_resumes(tmp_p
                ("What is the capital city of France today?", True), ("Give me three tips for a job interview.", True)]
     drawn = []
 
-    def fake_sample(model, tokenizer, n, **kw):
-        drawn.append((n, kw["seed"]))
-        return samples[:n]
+    def fake_sample(model, tokenizer, n, start=0, **kw):
+        drawn.append((start, n, kw["seed"]))
+        return samples[start:start + n]
 
     monkeypatch.setattr(S, "sample_user_turns", fake_sample)
     out = tmp_path / "self.jsonl"
-    args = [str(recipe), "--prompts", "self", "--limit", "4", "--out", str(out), "--max-new-tokens", "6",
-            "--exclude", str(bench), "--seed", "5"]
-    assert D.main(args) == 0
+    args = [str(recipe), "--prompts", "self", "--out", str(out), "--max-new-tokens", "6", "--exclude", str(bench),
+            "--seed", "5"]
+    assert D.main(args + ["--limit", "3"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == [samples[0][0]]  # "Hi" is short, the benchmark's out
+    assert drawn == [(0, 3, 5)]
+    assert D.main(args + ["--limit", "4"]) == 0  # a larger job: the kept requests are read back, one more drawn
+    assert drawn == [(0, 3, 5), (3, 1, 5)]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["messages"][0]["content"] for r in rows] == [samples[0][0], samples[3][0]]
     assert [r["id"] for r in rows] == ["self-5-0", "self-5-3"] and all(r["prompt_source"] == "self" for r in rows)
-    assert drawn == [(4, 5)]
-    assert D.main(args) == 0  # the same requests drawn again, nothing answered twice
-    assert len(out.read_text().splitlines()) == 2
+    assert D.main(args + ["--limit", "4"]) == 0  # nothing drawn, nothing answered twice
+    assert drawn == [(0, 3, 5), (3, 1, 5)] and len(out.read_text().splitlines()) == 2
+    assert D.main(args + ["--limit", "4", "--self-temperature", "0.7"]) == 2  # other settings: refused, not mixed
 
 
 def test_self_prompts_need_a_limit_and_a_template(tmp_path, capsys):
