@@ -57,6 +57,7 @@ class Best:
         return None
 
     def beaten_by(self, value: float | None) -> bool:
+        """Whether `value` is a new best (never, for `last`: its score is always None, so its step stays -1)."""
         return value is not None and math.isfinite(value) and value > self.value
 
     def row(self) -> dict[str, Any]:

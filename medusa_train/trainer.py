@@ -255,7 +255,7 @@ def finish(run: Run, stopped: bool) -> TrainResult:
         check_finite(run.objective, position["step"])
     step, best = position["step"], run.best
     _, acceptance, last_value = evaluate_and_keep(run, step, batches, split, final=True)
-    if best.metric != "last" and 0 <= best.step < step:  # the run ends with the best heads, not the last
+    if 0 <= best.step < step:  # the run ends with the best heads, not the last (keep_best=last never has a best)
         with full_params(accelerator, run.objective):
             if accelerator.is_main_process:  # the last heads stay at hand, to compare
                 write_heads_dir(out / LAST_DIR, run.heads, acceptance, split, step, {"steps": step})
@@ -264,7 +264,7 @@ def finish(run: Run, stopped: bool) -> TrainResult:
                           f"{best.value:.3f}; the last step's: {last_value:.3f}); train.keep_best=last keeps the last")
     if accelerator.is_main_process:
         training = {"steps": position["step"], "tokens": position["tokens"], "recipe": RECIPE_NAME}
-        if best.metric != "last" and best.step >= 0:
+        if best.step >= 0:
             training |= {"best_step": best.step, "keep_best": best.metric, best.metric: best.value}
         if cfg.heads.init_from:
             training["init_from"] = str(cfg.heads.init_from)
@@ -273,7 +273,7 @@ def finish(run: Run, stopped: bool) -> TrainResult:
             training["joint"] = {"lora_r": cfg.target.lora.r, "heads_warmup_steps": cfg.train.heads_warmup_steps}
         with full_params(accelerator, run.objective):
             run.heads.save_pretrained(out, extra={"training": training})
-    if best.metric != "last" and best.step >= 0:
+    if best.step >= 0:
         log_row(accelerator, cfg, step, best.row() | {"best/final": True})
     if accelerator.is_main_process:
         (out / RECIPE_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
