@@ -219,7 +219,7 @@ def best_nodes(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[flo
         return None, 1.0 / (costs[1] + fixed)
     limit = min(n, len(costs) - 1)  # nodes the costs cover
     logp = path_logp.detach().cpu().numpy().astype(np.float64)
-    key = logp[1:].astype(np.float32) - np.float32(1e-4) * depth[1:].cpu().numpy().astype(np.float32)  # _rank_key
+    key = _rank_key(path_logp.detach().cpu(), depth.cpu()).numpy()
     order = np.argsort(-key, kind="stable")[:limit - 1] + 1  # best nodes first
     gain = 1 + np.concatenate([[0.0], np.cumsum(np.exp(logp[order].astype(np.float32)), dtype=np.float32)])
     rate = gain / (np.asarray(costs[1:limit + 1], dtype=np.float32) + np.float32(fixed))
