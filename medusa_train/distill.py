@@ -102,20 +102,25 @@ def merge_parts(out: Path) -> int:
     Returns the number of rows appended."""
     have = _ids_in(out)
     parts = _parts(out)
-    added = 0
-    with out.open("a", encoding="utf-8") as f:
-        for part in parts:
-            for row in _rows(part):
-                if str(row["id"]) in have:
-                    continue
+    new = []
+    for part in parts:
+        for row in _rows(part):
+            if str(row["id"]) not in have:
                 have.add(str(row["id"]))
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                added += 1
-        f.flush()
-        os.fsync(f.fileno())
+                new.append(row)
+    _append_rows(out, new)
     for part in parts:
         part.unlink()
-    return added
+    return len(new)
+
+
+def _append_rows(path: Path, rows: list[dict]) -> None:
+    """Append rows as JSON lines, flushed and fsynced: once this returns, a crash loses none of them."""
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _ids_in(path: Path) -> set[str]:
@@ -218,23 +223,20 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     written = 0
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
                dynamic_ncols=True)
-    with target.open("a", encoding="utf-8") as f:
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b:b + batch_size]
-            if temperature > 0:  # reproducible sampling regardless of where a resumed run starts
-                torch.manual_seed(seed + hash_id(kept[batch[0]].id))
-            replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
-                                       temperature, top_p)
-            for i, (text, finish, n_new) in zip(batch, replies):
-                row = {"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
-                                                      {"role": "assistant", "content": text}],
-                       "finish": finish, "generation": settings, **(row_extra or {})}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                written += 1
-            f.flush()  # a crash loses at most the batch in flight
-            os.fsync(f.fileno())
-            bar.update(len(batch))
-            bar.set_postfix(rows=len(done) + written * world_size)
+    for b in range(0, len(todo), batch_size):
+        batch = todo[b:b + batch_size]
+        if temperature > 0:  # reproducible sampling regardless of where a resumed run starts
+            torch.manual_seed(seed + hash_id(kept[batch[0]].id))
+        replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
+                                   temperature, top_p)
+        rows = [{"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
+                                                {"role": "assistant", "content": text}],
+                 "finish": finish, "generation": settings, **(row_extra or {})}
+                for i, (text, finish, _) in zip(batch, replies)]
+        _append_rows(target, rows)  # a crash loses at most the batch in flight
+        written += len(rows)
+        bar.update(len(batch))
+        bar.set_postfix(rows=len(done) + written * world_size)
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
             "too_long": too_long}
@@ -366,12 +368,8 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
         samples += new
         if main_process:
             _repair_tail(cache)
-            with cache.open("a", encoding="utf-8") as f:
-                for i, (text, finished) in enumerate(new, start):
-                    f.write(json.dumps({"id": i, "text": text, "finished": finished, "settings": settings},
-                                       ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            _append_rows(cache, [{"id": i, "text": text, "finished": finished, "settings": settings}
+                                 for i, (text, finished) in enumerate(new, start)])
     verdict = filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
     kept = len(prompts)
