@@ -84,8 +84,9 @@ class Filtered:
 
 
 def filter_prompts(samples: list[tuple[str, bool]], *, min_words: int = 4, near_duplicate: float = 0.7,
-                   latin_only: bool = False, excluded: set[str] | None = None) -> Filtered:
-    """Which samples to answer (module docstring), each filter counted; the first filter that applies names a drop."""
+                   latin_only: bool = False) -> Filtered:
+    """Which samples to answer (module docstring), each filter counted; the first filter that applies names a drop.
+    `--exclude` files are applied after, by `prompts.exclude_prompts` (as for every pool), and counted as `excluded`."""
     result = Filtered(dropped={k: 0 for k in ("empty", "short", "unfinished", "repetitive", "near_duplicate",
                                               "language", "excluded")})
     seen: list[set[tuple[str, ...]]] = []
@@ -105,8 +106,6 @@ def filter_prompts(samples: list[tuple[str, bool]], *, min_words: int = 4, near_
             reason = "repetitive"
         elif latin_only and letters and sum(c.isascii() for c in letters) < 0.8 * len(letters):
             reason = "language"
-        elif excluded and " ".join(text.lower().split()) in excluded:
-            reason = "excluded"
         else:
             mine = _shingles(words)
             others = {j for g in mine for j in holders.get(g, ())}  # Jaccard > 0 needs a shared shingle

@@ -52,14 +52,12 @@ def test_each_filter_drops_what_it_should():
         ("the cat sat the cat sat the cat sat on it", True),  # repetitive
         ("How do I bake sourdough bread at home quickly?", True),  # near-duplicate of the first
         ("Как испечь хлеб дома без дрожжей быстро?", True),  # language (with latin_only)
-        ("What is the capital city of France today?", True),  # excluded
         ("Give me three tips for a job interview.", True),  # kept
     ]
-    verdict = S.filter_prompts(samples, latin_only=True,
-                               excluded={"what is the capital city of france today?"})
-    assert verdict.kept == [0, 8]
+    verdict = S.filter_prompts(samples, latin_only=True)  # --exclude: the distill test below
+    assert verdict.kept == [0, 7]
     assert verdict.dropped == {"empty": 1, "short": 1, "unfinished": 1, "repetitive": 1, "near_duplicate": 1,
-                               "language": 1, "excluded": 1}
+                               "language": 1, "excluded": 0}
     assert S.filter_prompts(samples[6:7]).kept == [0]  # the language filter is an option
 
 
