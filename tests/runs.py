@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
 
 
+def config(ws: Path, out: str, *overrides: str):
+    """The workspace's `base.yaml` with `output_dir=ws/out` and the overrides, for one process."""
+    from medusa_train.config import load_config
+
+    return load_config(ws / "base.yaml", [f"output_dir={ws / out}", *overrides], world_size=1)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def write_text_data(path: Path, seed: int = 0, documents: int = 10, words: int = 40) -> None:
     """`documents` JSONL rows of `words` random words each (10 x 40 give ~55 rows of 24 tokens)."""
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import write_text_data, torchrun_train
+from runs import config, torchrun_train, write_text_data
 from safetensors.torch import load_file
 from test_inference_greedy import greedy_reference
 
@@ -22,7 +22,7 @@ import medusa_train.processes as processes
 import medusa_train.run as run_setup
 from inference import SpeculativeGenerator
 from medusa_train.cli import main
-from medusa_train.config import ConfigError, LoraSettings, LossConfig, load_config
+from medusa_train.config import ConfigError, LoraSettings, LossConfig
 from medusa_train.heads import DraftHeads, HeadsMismatchError
 from medusa_train.joint import JointObjective, add_lora, lm_kl
 from medusa_train.target import peft_quietly
@@ -43,10 +43,6 @@ def ws(tmp_path_factory) -> Path:
         "loss: {distill_weight: 1.0, ce_weight: 0.5, chunk_size: 32}\n"
         "eval: {max_batches: 2}\n")
     return root
-
-
-def config(ws: Path, out: str, *overrides: str):
-    return load_config(ws / "base.yaml", [f"output_dir={ws / out}", *overrides], world_size=1)
 
 
 def rows(path: Path) -> list[dict]:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import ROOT, WORDS
+from runs import ROOT, WORDS, config, read_jsonl
 from safetensors.torch import load_file
 
-from medusa_train.config import ConfigError, load_config
+from medusa_train.config import ConfigError
 from medusa_train.evaluate import acceptance_from_hits, bootstrap_stderr, tree_taus
 from medusa_train.trainer import train
 
@@ -42,14 +42,6 @@ def ws(tmp_path_factory) -> Path:
         "loss: {distill_weight: 1.0, ce_weight: 0.5, chunk_size: 64}\n"
         "eval: {max_batches: 0}\n")
     return root
-
-
-def config(ws: Path, out: str, *overrides: str):
-    return load_config(ws / "base.yaml", [f"output_dir={ws / out}", *overrides], world_size=1)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

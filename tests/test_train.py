@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import ROOT, torchrun_train, write_text_data
+from runs import ROOT, config, read_jsonl, torchrun_train, write_text_data
 from safetensors.torch import load_file
 
 from medusa_train.config import load_config
@@ -42,14 +42,6 @@ def ws(tmp_path_factory) -> Path:
         "loss: {distill_weight: 1.0, ce_weight: 0.5, chunk_size: 32}\n"
         "eval: {max_batches: 2}\n")
     return root
-
-
-def config(ws: Path, out: str, *overrides: str):
-    return load_config(ws / "base.yaml", [f"output_dir={ws / out}", *overrides], world_size=1)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def max_diff(a: Path, b: Path) -> float:
