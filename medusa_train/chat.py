@@ -89,11 +89,12 @@ def _generation_prompt(tokenizer) -> str:
     return text[:cut]
 
 
-def render_prompt(tokenizer, text: str) -> list[int]:
-    """One user turn through the chat template with the assistant header appended: the token ids a chat
-    model sees before its reply (what distillation, the benchmark and `generate(chat=True)` feed it)."""
+def render_prompt(tokenizer, text: str | list[dict[str, str]]) -> list[int]:
+    """One user turn (or a conversation ending with one) through the chat template with the assistant header
+    appended: the token ids a chat model sees before its reply (what distillation, the benchmark and
+    `generate(chat=True)` feed it)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: pass the prompt as plain text (chat=False)")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids)

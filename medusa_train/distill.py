@@ -43,6 +43,7 @@ from .config import ConfigError, load_config
 from .target import eos_ids
 from .errors import ArgumentParser
 from .prompts import Prompt, exclude_prompts, load_prompts
+from .self_prompts import FollowUps
 
 Order = Literal["file", "shortest", "longest"]
 
@@ -187,20 +188,26 @@ def _order(prompts: list[Prompt], lengths: list[int], order: Order) -> list[int]
 def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int = 256,
             temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, limit: int = 0,
             order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
-            world_size: int = 1, progress: bool = True, row_extra: dict[str, Any] | None = None) -> dict[str, int]:
+            world_size: int = 1, progress: bool = True, row_extra: dict[str, Any] | None = None,
+            turns: int = 1, follow_ups: FollowUps | None = None) -> dict[str, int]:
     """Write the target's replies to `prompts` into `out` (JSONL), skipping ids already there.
 
     Prompts longer than `max_prompt_tokens` are skipped; `order` then `limit` pick which prompts form the
     job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
     prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
     Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`.
-    `row_extra` is recorded in every row written (self-written prompts say so).
+    `row_extra` is recorded in every row written (self-written prompts say so). With `turns > 1` the target
+    writes the user's next turn itself (`follow_ups`: how it samples and filters them) after every reply that
+    ended within `max_new_tokens`, and replies again, up to `turns` user turns a row; a conversation whose
+    follow-up a filter drops ends there. The count of rows by their number of user turns is in `turns_written`.
     """
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = generation_settings(max_new_tokens, temperature, top_p)
+    if turns > 1 and follow_ups is None:
+        follow_ups = FollowUps()
+    settings = generation_settings(max_new_tokens, temperature, top_p, turns, follow_ups)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     ids = render_prompts(tokenizer, prompts)
@@ -221,6 +228,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     target = out if world_size == 1 else _part_path(out, rank)
     _repair_tail(target)
     written = 0
+    by_turns: dict[int, int] = {}
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
                dynamic_ncols=True)
     for b in range(0, len(todo), batch_size):
@@ -229,35 +237,58 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
             torch.manual_seed(seed + hash_id(kept[batch[0]].id))
         replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
                                    temperature, top_p)
-        rows = [{"id": kept[i].id, "messages": [{"role": "user", "content": kept[i].text},
-                                                {"role": "assistant", "content": text}],
-                 "finish": finish, "generation": settings, **(row_extra or {})}
-                for i, (text, finish, _) in zip(batch, replies)]
+        convs = [[{"role": "user", "content": kept[i].text}, {"role": "assistant", "content": text}]
+                 for i, (text, _, _) in zip(batch, replies)]
+        ends = [finish for _, finish, _ in replies]
+        for t in range(1, turns):  # the target writes the user's next turn, then answers it
+            live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
+            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], seed + hash_id(kept[batch[0]].id) + t)
+            go = [(k, q) for k, q in zip(live, asks) if q is not None]
+            if not go:
+                break
+            more = generate_replies(model, tokenizer, [render_prompt(tokenizer, convs[k] + [
+                {"role": "user", "content": q}]) for k, q in go], max_new_tokens, temperature, top_p)
+            for (k, q), (text, finish, _) in zip(go, more):
+                convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
+                ends[k] = finish
+        rows = [{"id": kept[i].id, "messages": conv, "finish": finish, "generation": settings, **(row_extra or {})}
+                for i, conv, finish in zip(batch, convs, ends)]
+        for conv in convs:
+            by_turns[len(conv) // 2] = by_turns.get(len(conv) // 2, 0) + 1
         _append_rows(target, rows)  # a crash loses at most the batch in flight
         written += len(rows)
         bar.update(len(batch))
         bar.set_postfix(rows=len(done) + written * world_size)
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
-            "too_long": too_long}
+            "too_long": too_long, "turns_written": dict(sorted(by_turns.items()))}
 
 
-def generation_settings(max_new_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
+def generation_settings(max_new_tokens: int, temperature: float, top_p: float, turns: int = 1,
+                        follow_ups: FollowUps | None = None) -> dict[str, Any]:
     """What each row records of how its reply was made: a rerun with other settings must not mix its rows in."""
-    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    if turns > 1:  # single-turn rows keep the keys they always had
+        out |= {"turns": turns, "follow_ups": (follow_ups or FollowUps()).settings()}
+    return out
 
 
 def check_same_settings(out: Path, settings: dict[str, Any]) -> None:
     """ConfigError (before any model loads) when `out` or its parts hold rows made with other settings: one file
     of replies cut at 64 and 256 tokens, or greedy and sampled, would train heads on a mix nobody asked for. Rows
     of files written before rows recorded their settings are taken as they are."""
-    flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p"}
+    flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+             "turns": "--turns", "follow_ups": "the follow-ups' --self-* settings"}
     for f in [out, *_parts(out)]:
         for row in _rows(f):
             had = row.get("generation")
-            if isinstance(had, dict) and any(had.get(k) != v for k, v in settings.items()):
-                diff = ", ".join(f"{flags[k]} {had.get(k)} (this run: {v})" for k, v in settings.items()
-                                 if had.get(k) != v)
+            if not isinstance(had, dict):
+                continue
+            had = {"turns": 1, "follow_ups": None} | had  # one turn: rows record no follow-up keys
+            mine = {"turns": 1, "follow_ups": None} | settings
+            if any(had.get(k) != mine.get(k) for k in flags):
+                diff = ", ".join(f"{flags[k]} {had.get(k)} (this run: {mine.get(k)})" for k in flags
+                                 if had.get(k) != mine.get(k))
                 raise ConfigError(f"--out {out} holds rows made with {diff}: rerun with the same settings to "
                                   "continue it, or write to another --out")
 
@@ -295,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--seed", type=int, default=0)
-    own = p.add_argument_group("--prompts self: the target writes the prompts (medusa_train.self_prompts)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="user turns a conversation: after the first, the target writes the user's next request "
+                        "itself (sampled with the --self-* settings, filtered like self-written requests) and "
+                        "replies again")
+    own = p.add_argument_group("--prompts self and --turns: the target writes requests (medusa_train.self_prompts)")
     own.add_argument("--self-temperature", type=float, default=1.0, help="sampling temperature of the requests")
     own.add_argument("--self-top-p", type=float, default=0.95)
     own.add_argument("--self-max-tokens", type=int, default=96, help="a request not closed by then is dropped")
@@ -317,11 +352,14 @@ def _check_args(args: argparse.Namespace) -> None:
     for f in args.exclude:
         if not Path(f).exists():
             raise ConfigError(f"--exclude: file not found: {f}")
+    if args.turns < 1:
+        raise ConfigError(f"--turns must be >= 1 (got {args.turns})")
+    if args.prompts == "self" or args.turns > 1:
+        if args.self_temperature <= 0 or not 0 < args.self_top_p <= 1 or args.self_max_tokens < 1:
+            raise ConfigError("--self-temperature must be > 0, --self-top-p in (0, 1], --self-max-tokens >= 1")
     if args.prompts == "self":
         if args.limit < 1:
             raise ConfigError("--prompts self needs --limit N: how many requests the target samples (then filtered)")
-        if args.self_temperature <= 0 or not 0 < args.self_top_p <= 1 or args.self_max_tokens < 1:
-            raise ConfigError("--self-temperature must be > 0, --self-top-p in (0, 1], --self-max-tokens >= 1")
         return
     if args.prompts != "default" and not Path(args.prompts).exists() and (
             args.prompts.endswith((".json", ".jsonl", ".parquet")) or os.sep in args.prompts):
@@ -362,14 +400,23 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
     start = next(i for i in range(args.limit + 1) if i not in have)  # the drawn prefix
     samples = [have[i] for i in range(start)]
     if start < args.limit:
-        new = sample_user_turns(model, tokenizer, args.limit - start, temperature=args.self_temperature,
-                                top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
-                                batch_size=args.batch_size, seed=args.seed, start=start)
-        samples += new
+        from tqdm.auto import tqdm
+
         if main_process:
             _repair_tail(cache)
-            _append_rows(cache, [{"id": i, "text": text, "finished": finished, "settings": settings}
-                                 for i, (text, finished) in enumerate(new, start)])
+        bar = tqdm(total=args.limit, initial=start, desc="requests", unit="request", disable=not main_process,
+                   dynamic_ncols=True)
+
+        def keep(first: int, new: list[tuple[str, bool]]) -> None:  # on disk batch by batch: a stop loses one
+            if main_process:
+                _append_rows(cache, [{"id": i, "text": text, "finished": finished, "settings": settings}
+                                     for i, (text, finished) in enumerate(new, first)])
+            bar.update(len(new))
+
+        samples += sample_user_turns(model, tokenizer, args.limit - start, temperature=args.self_temperature,
+                                     top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
+                                     batch_size=args.batch_size, seed=args.seed, start=start, on_batch=keep)
+        bar.close()
     verdict = filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
     kept = len(prompts)
@@ -394,13 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         # Only the target matters here; the recipe's data.dataset is usually the file we are about to write.
         cfg = load_config(args.recipe, list(args.overrides) + ["data.dataset=distill-prompts"])
-        check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p))
+        follow_ups = FollowUps(args.self_temperature, args.self_top_p, args.self_max_tokens,
+                               latin_only=args.latin_only)
+        check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p,
+                                                                args.turns, follow_ups))
         own = args.prompts == "self"
-        if own:  # the template's user turn is checked now, before the model loads
+        if own or args.turns > 1:  # the template's user turn is checked now, before the model loads
             from .self_prompts import user_turn_prefix
             from .target import load_tokenizer
 
             user_turn_prefix(load_tokenizer(cfg.target))
+        if own:
             read_requests(requests_file(Path(args.out)), request_settings(args))
             prompts = []
         else:
@@ -436,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                          limit=0 if own else args.limit,
                          order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                          rank=accelerator.process_index, world_size=accelerator.num_processes,
-                         progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None)
+                         progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None,
+                         turns=args.turns, follow_ups=follow_ups)
     except KeyboardInterrupt:  # every finished batch is on disk (fsynced): say so, no traceback
         if accelerator.is_main_process:
             print(f"\n[distill] stopped: {out} and its parts hold {len(read_done(out)[0])} rows; rerun the same "
@@ -451,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         total = len(_ids_in(out))
         say(f"[distill] wrote {total - before} rows ({counts['done_before']} of the job were done before; "
             f"{counts['too_long']} prompts over {args.max_prompt_tokens} tokens skipped); {out} holds {total} rows")
+        if args.turns > 1:
+            dropped = ", ".join(f"{n} {why}" for why, n in follow_ups.dropped.items()) or "none"
+            say(f"[distill] rows written by user turns: {counts['turns_written']}; follow-ups dropped: {dropped} "
+                "(this process)")
     return 0
 
 

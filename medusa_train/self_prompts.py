@@ -16,7 +16,9 @@ The samples are filtered before anything answers them; `filter_prompts` says how
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,47 +28,105 @@ from .target import eos_ids
 SENTINEL = "\u2063SELF-PROMPT\u2063"  # an invisible separator no template writes
 
 
-def user_turn_prefix(tokenizer) -> list[int]:
-    """The token ids the chat template writes before a user's words (its default system turn included): what the
-    model reads before it writes a request. ConfigError for a tokenizer without a chat template."""
+def user_turn_prefix(tokenizer, history: list[dict[str, str]] | None = None) -> list[int]:
+    """The token ids the chat template writes before a user's words (its default system turn included, and the
+    conversation so far when `history` is given): what the model reads before it writes a request. ConfigError
+    for a tokenizer without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("--prompts self: the target's tokenizer has no chat template, so it has no user turn to "
-                          "open; set target.chat_template or give a prompt file")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False)
+        raise ConfigError("--prompts self / --turns: the target's tokenizer has no chat template, so it has no user "
+                          "turn to open; set target.chat_template, or give a prompt file and one turn")
+    text = tokenizer.apply_chat_template(list(history or []) + [{"role": "user", "content": SENTINEL}],
+                                         tokenize=False, add_generation_prompt=False)
     if SENTINEL not in text:
-        raise ConfigError("--prompts self: the chat template does not write the user's words verbatim")
+        raise ConfigError("--prompts self / --turns: the chat template does not write the user's words verbatim")
     prefix = text[:text.index(SENTINEL)]
     return tokenizer(prefix, add_special_tokens=False)["input_ids"]
 
 
-@torch.inference_mode()
-def sample_user_turns(model, tokenizer, n: int, *, temperature: float = 1.0, top_p: float = 0.95,
-                      max_new_tokens: int = 96, batch_size: int = 16, seed: int = 0, start: int = 0
-                      ) -> list[tuple[str, bool]]:
-    """Samples `start`..`start + n - 1` of the model's user requests: (text, finished) each, where finished means
-    the model closed its turn within `max_new_tokens`. Sample i is drawn with the seed `seed + i // batch_size`
-    batch by batch, so a rerun asking for more continues the same sequence."""
-    prefix = user_turn_prefix(tokenizer)
+def _stops(model, tokenizer) -> list[int]:
     stops = set(eos_ids(model, tokenizer))
     if tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
+    return sorted(stops)
+
+
+@torch.inference_mode()
+def _sample(model, tokenizer, prefixes: list[list[int]], stops: list[int], *, temperature: float, top_p: float,
+            max_new_tokens: int) -> list[tuple[str, bool]]:
+    """One batched sample after each prefix (left padded): (text up to the first stop token, whether one came)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prefixes)
+    ids = torch.full((len(prefixes), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prefixes):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=True,
+                          temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
+                          pad_token_id=pad, eos_token_id=stops)
+    out = []
+    for row in seqs[:, width:].tolist():
+        stop = next((k for k, t in enumerate(row) if t in stops), None)
+        out.append((tokenizer.decode(row if stop is None else row[:stop], skip_special_tokens=True).strip(),
+                    stop is not None))
+    return out
+
+
+def sample_user_turns(model, tokenizer, n: int, *, temperature: float = 1.0, top_p: float = 0.95,
+                      max_new_tokens: int = 96, batch_size: int = 16, seed: int = 0, start: int = 0,
+                      on_batch: Callable[[int, list[tuple[str, bool]]], None] | None = None
+                      ) -> list[tuple[str, bool]]:
+    """Samples `start`..`start + n - 1` of the model's user requests: (text, finished) each, where finished means
+    the model closed its turn within `max_new_tokens`. Sample i is drawn with the seed `seed + i // batch_size`
+    batch by batch, so a rerun asking for more continues the same sequence. `on_batch(first, samples)` sees each
+    batch as it is drawn (the CLI keeps them on disk and moves its progress bar)."""
+    prefix = user_turn_prefix(tokenizer)
+    stops = _stops(model, tokenizer)
     out: list[tuple[str, bool]] = []
     first = start - start % batch_size  # whole batches, so sample i is the same whatever `start` was
     for b in range(first, start + n, batch_size):
         torch.manual_seed(seed + b // batch_size)
-        ids = torch.tensor([prefix] * batch_size, device=model.device)  # one prefix: no padding
-        seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                              temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
-                              pad_token_id=pad, eos_token_id=sorted(stops))
-        for j, row in enumerate(seqs[:, len(prefix):].tolist()):
-            if not start <= b + j < start + n:
-                continue
-            stop = next((k for k, t in enumerate(row) if t in stops), None)
-            text = tokenizer.decode(row if stop is None else row[:stop], skip_special_tokens=True).strip()
-            out.append((text, stop is not None))
+        drawn = _sample(model, tokenizer, [prefix] * batch_size, stops, temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens)  # one prefix: no padding
+        lo = max(b, start)
+        mine = drawn[lo - b:start + n - b]
+        out += mine
+        if on_batch is not None:
+            on_batch(lo, mine)
     return out
+
+
+@dataclass
+class FollowUps:
+    """The target writes the user's next turn of a conversation (`distill --turns N`): sampled after the
+    conversation so far and the template's opening of a user turn, then filtered as first requests are (all but
+    near_duplicate, which compares requests with each other). `dropped` counts the follow-ups each filter took."""
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_tokens: int = 96
+    min_words: int = 4
+    latin_only: bool = False
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def settings(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                "latin_only": self.latin_only}
+
+    def write(self, model, tokenizer, conversations: list[list[dict[str, str]]], seed: int) -> list[str | None]:
+        """The next user turn for each conversation (one batch under `seed`), None where a filter dropped it."""
+        if not conversations:
+            return []
+        torch.manual_seed(seed)
+        drawn = _sample(model, tokenizer, [user_turn_prefix(tokenizer, c) for c in conversations],
+                        _stops(model, tokenizer), temperature=self.temperature, top_p=self.top_p,
+                        max_new_tokens=self.max_tokens)
+        out: list[str | None] = []
+        for text, finished in drawn:
+            reason = _reject(text, finished, self.min_words, self.latin_only)
+            if reason is not None:
+                self.dropped[reason] = self.dropped.get(reason, 0) + 1
+            out.append(text if reason is None else None)
+        return out
 
 
 def _words(text: str) -> list[str]:
@@ -75,6 +135,24 @@ def _words(text: str) -> list[str]:
 
 def _shingles(words: list[str], n: int = 3) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def _reject(text: str, finished: bool, min_words: int, latin_only: bool) -> str | None:
+    """The first filter (module docstring) that drops one sample on its own, or None."""
+    words = _words(text)
+    grams = [tuple(words[j:j + 3]) for j in range(len(words) - 2)]
+    letters = [c for c in text if c.isalpha()]
+    if not text.strip():
+        return "empty"
+    if len(words) < min_words:
+        return "short"
+    if not finished:
+        return "unfinished"
+    if grams and max(grams.count(g) for g in set(grams)) >= 3:
+        return "repetitive"
+    if latin_only and letters and sum(c.isascii() for c in letters) < 0.8 * len(letters):
+        return "language"
+    return None
 
 
 @dataclass
@@ -92,22 +170,9 @@ def filter_prompts(samples: list[tuple[str, bool]], *, min_words: int = 4, near_
     seen: list[set[tuple[str, ...]]] = []
     holders: dict[tuple[str, ...], list[int]] = {}  # shingle -> kept prompts holding it: compare with those only
     for i, (text, finished) in enumerate(samples):
-        words = _words(text)
-        grams = [tuple(words[j:j + 3]) for j in range(len(words) - 2)]
-        letters = [c for c in text if c.isalpha()]
-        reason = None
-        if not text.strip():
-            reason = "empty"
-        elif len(words) < min_words:
-            reason = "short"
-        elif not finished:
-            reason = "unfinished"
-        elif grams and max(grams.count(g) for g in set(grams)) >= 3:
-            reason = "repetitive"
-        elif latin_only and letters and sum(c.isascii() for c in letters) < 0.8 * len(letters):
-            reason = "language"
-        else:
-            mine = _shingles(words)
+        reason = _reject(text, finished, min_words, latin_only)
+        if reason is None:
+            mine = _shingles(_words(text))
             others = {j for g in mine for j in holders.get(g, ())}  # Jaccard > 0 needs a shared shingle
             if any(len(mine & seen[j]) / len(mine | seen[j]) >= near_duplicate for j in others):
                 reason = "near_duplicate"

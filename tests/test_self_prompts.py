@@ -73,8 +73,9 @@ def test_distill_answers_the_kept_requests_excludes_benchmarks_and_resumes(tmp_p
                ("What is the capital city of France today?", True), ("Give me three tips for a job interview.", True)]
     drawn = []
 
-    def fake_sample(model, tokenizer, n, start=0, **kw):
+    def fake_sample(model, tokenizer, n, start=0, on_batch=None, **kw):
         drawn.append((start, n, kw["seed"]))
+        on_batch(start, samples[start:start + n])
         return samples[start:start + n]
 
     monkeypatch.setattr(S, "sample_user_turns", fake_sample)
@@ -107,3 +108,96 @@ def test_self_prompts_need_a_limit_and_a_template(tmp_path, capsys):
     (tmp_path / "model" / "chat_template.jinja").unlink(missing_ok=True)
     assert D.main([str(recipe), "--prompts", "self", "--limit", "2", "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_requests_reach_the_disk_batch_by_batch(tmp_path, monkeypatch):
+    """A run stopped while the target writes requests keeps the batches it drew: the rerun draws only the rest."""
+    save_tiny(tmp_path / "model", "llama")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {{model: {tmp_path / 'model'}}}\ndata: {{dataset: x.jsonl, format: chat}}\n")
+    samples = [(f"Please tell me about topic number {i} today.", True) for i in range(6)]
+    calls = []
+
+    def stopped_after_one_batch(model, tokenizer, n, start=0, on_batch=None, **kw):
+        calls.append(start)
+        on_batch(start, samples[start:start + 2])
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while drawing the second batch
+        on_batch(start + 2, samples[start + 2:start + n])
+        return samples[start:start + n]
+
+    monkeypatch.setattr(S, "sample_user_turns", stopped_after_one_batch)
+    out = tmp_path / "self.jsonl"
+    args = [str(recipe), "--prompts", "self", "--limit", "6", "--out", str(out), "--max-new-tokens", "4"]
+    assert D.main(args) == 75
+    assert [json.loads(line)["id"] for line in D.requests_file(out).read_text().splitlines()] == [0, 1]
+    assert D.main(args) == 0
+    assert calls == [0, 2]
+    assert len(out.read_text().splitlines()) == 6
+
+
+def test_a_follow_up_is_the_models_own_continuation_of_the_conversation(monkeypatch):
+    """FollowUps.write samples after the conversation and the template's opening of the next user turn (the same
+    as sampling the model directly from that prefix with the seed), and drops what the filters drop."""
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    convs = [[{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help"}],
+             [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer it is"}]]
+    prefixes = [S.user_turn_prefix(tok, c) for c in convs]
+    text = tok.apply_chat_template(convs[0], tokenize=False)
+    assert tok.decode(prefixes[0]) == text + "<|im_start|>user\n"
+    follow = S.FollowUps(temperature=0.05, max_tokens=10, min_words=1)  # cold: a tiny random model's sample
+    # then follows its context (at 1.0 its near-uniform draws hardly depend on what it read)
+    got = follow.write(model, tok, convs, seed=11)
+    width = max(map(len, prefixes))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prefixes])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
+    torch.manual_seed(11)
+    seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.05, top_p=0.95,
+                          top_k=None, max_new_tokens=10, pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
+    want = []
+    for row in seqs[:, width:].tolist():
+        stop = next((k for k, t in enumerate(row) if t == tok.eos_token_id), None)
+        want.append(tok.decode(row[:stop], skip_special_tokens=True).strip() if stop is not None
+                    else None)  # a follow-up cut off at max_tokens is dropped (unfinished)
+    assert got == want
+    assert sum(follow.dropped.values()) == want.count(None)
+    monkeypatch.setattr(S, "_reject", lambda *a: None)  # every sample kept: compare the texts themselves
+    texts = [tok.decode(row, skip_special_tokens=True).strip() for row in seqs[:, width:].tolist()]
+    assert all(texts) and S.FollowUps(0.05, max_tokens=10).write(model, tok, convs, seed=11) == texts
+
+
+def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(tmp_path, monkeypatch):
+    """`--turns 2`: a reply that ended gets the follow-up the target wrote and the target's reply to the whole
+    conversation; a reply cut at the length limit, or a follow-up a filter dropped, ends the row at one turn."""
+    save_tiny(tmp_path / "model", "llama")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {{model: {tmp_path / 'model'}}}\ndata: {{dataset: x.jsonl, format: chat}}\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
+    seen = []
+
+    def fake_replies(model, tok, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0):
+        out = []
+        for ids in prompt_ids:
+            seen.append(tok.decode(ids))
+            first = tok.decode(ids).count("<|im_start|>user") == 1
+            q = tok.decode(ids).split("question ")[1][0] if first else "f"
+            out.append((f"reply {q}", "length" if q == "1" else "stop", 3))
+        return out
+
+    def fake_follow(self, model, tok, conversations, seed):
+        return [None if c[0]["content"] == "question 2" else "and then what happened next?" for c in conversations]
+
+    monkeypatch.setattr(D, "generate_replies", fake_replies)
+    monkeypatch.setattr(S.FollowUps, "write", fake_follow)
+    out = tmp_path / "o.jsonl"
+    assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out), "--turns", "2"]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    by_prompt = {r["messages"][0]["content"]: r["messages"] for r in rows.values()}
+    assert [m["content"] for m in by_prompt["question 0"]] == ["question 0", "reply 0",
+                                                               "and then what happened next?", "reply f"]
+    assert len(by_prompt["question 1"]) == 2 and len(by_prompt["question 2"]) == 2
+    assert "question 0" in seen[-1] and "reply 0" in seen[-1] and seen[-1].count("<|im_start|>user") == 2
+    assert all(r["generation"]["turns"] == 2 for r in rows.values())
+    assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out)]) == 2  # one turn: not mixed in
+    assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out), "--turns", "0"]) == 2
