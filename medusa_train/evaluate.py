@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         heads_dir = Path(args.heads)
         if not heads_dir.is_dir():
             raise ConfigError(f"--heads: no such directory: {heads_dir}")
-        overrides = list(args.overrides) + (["data.eval_size=0"] if args.split == "all" else [])
+        # this CLI never generates: the recipe's eval.tau_every (which needs a held-out split) is not its business
+        overrides = list(args.overrides) + ["eval.tau_every=0"] + (["data.eval_size=0"] if args.split == "all" else [])
         cfg = load_config(args.recipe, overrides)
         batch_size = args.batch_size or cfg.train.batch_size
         tokenizer = load_tokenizer(cfg.target)
