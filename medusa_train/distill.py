@@ -36,8 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 
+from .batch_decode import decode
 from .chat import render_prompt
 from .config import ConfigError, load_config
 from .target import eos_ids
@@ -46,6 +46,7 @@ from .prompts import Prompt, exclude_prompts, load_prompts
 from .self_prompts import FollowUps
 
 Order = Literal["file", "shortest", "longest"]
+CHUNK = 4  # batches of prompts decoded together and written at once: slots refill within a chunk
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,33 +147,24 @@ def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     return [render_prompt(tokenizer, p.text) for p in prompts]
 
 
-@torch.inference_mode()
 def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
-                     temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[str, str, int]]:
-    """One batched `generate` over left-padded prompts. Returns (reply text, finish, new tokens) per prompt:
-    the reply is cut at the first end-of-turn token (`finish="stop"`), else `finish="length"`."""
+                     temperature: float = 0.0, top_p: float = 1.0, batch_size: int | None = None,
+                     seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
+    """The target's reply to each prompt, `batch_size` in flight at once (`batch_decode.decode`: continuous
+    batching; default all). Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the
+    first end-of-turn token (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the
+    engine verifies against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = eos_ids(model, tokenizer)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)  # a reply also ends at the tokenizer's own EOS
-    width = max(len(p) for p in prompt_ids)
-    device = model.device
-    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [B, T], padded on the left
-    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attention_mask[i, width - len(p):] = 1
-    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, **kw)
-    new = seqs[:, width:].tolist()  # one host transfer per batch
-    out = []
-    for row in new:
-        stop = next((j for j, t in enumerate(row) if t in eos), None)
-        tokens = row if stop is None else row[:stop]
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        out.append((text, "length" if stop is None else "stop", len(tokens)))
+    if temperature > 0 and seeds is None:
+        seeds = list(range(len(prompt_ids)))
+    out: list[tuple[str, str, int]] = [("", "", 0)] * len(prompt_ids)
+    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max_new_tokens, stops=eos, pad_id=pad,
+                                     batch_size=batch_size or len(prompt_ids), temperature=temperature,
+                                     top_p=top_p, seeds=seeds):
+        out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens))
     return out
 
 
@@ -231,23 +223,25 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     by_turns: dict[int, int] = {}
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
                dynamic_ncols=True)
-    for b in range(0, len(todo), batch_size):
-        batch = todo[b:b + batch_size]
-        if temperature > 0:  # reproducible sampling regardless of where a resumed run starts
-            torch.manual_seed(seed + hash_id(kept[batch[0]].id))
+    chunk = batch_size * CHUNK
+    for b in range(0, len(todo), chunk):
+        batch = todo[b:b + chunk]
+        seeds = [seed + hash_id(kept[i].id) for i in batch]  # a prompt's sample is the same wherever a run resumes
         replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
-                                   temperature, top_p)
+                                   temperature, top_p, batch_size, seeds)
         convs = [[{"role": "user", "content": kept[i].text}, {"role": "assistant", "content": text}]
                  for i, (text, _, _) in zip(batch, replies)]
         ends = [finish for _, finish, _ in replies]
         for t in range(1, turns):  # the target writes the user's next turn, then answers it
             live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
-            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], seed + hash_id(kept[batch[0]].id) + t)
+            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], seed + hash_id(kept[batch[0]].id) + t,
+                                    batch_size)
             go = [(k, q) for k, q in zip(live, asks) if q is not None]
             if not go:
                 break
             more = generate_replies(model, tokenizer, [render_prompt(tokenizer, convs[k] + [
-                {"role": "user", "content": q}]) for k, q in go], max_new_tokens, temperature, top_p)
+                {"role": "user", "content": q}]) for k, q in go], max_new_tokens, temperature, top_p, batch_size,
+                [seeds[k] + t for k, _ in go])
             for (k, q), (text, finish, _) in zip(go, more):
                 convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
                 ends[k] = finish
@@ -255,7 +249,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
                 for i, conv, finish in zip(batch, convs, ends)]
         for conv in convs:
             by_turns[len(conv) // 2] = by_turns.get(len(conv) // 2, 0) + 1
-        _append_rows(target, rows)  # a crash loses at most the batch in flight
+        _append_rows(target, rows)  # a crash loses at most the chunk in flight
         written += len(rows)
         bar.update(len(batch))
         bar.set_postfix(rows=len(done) + written * world_size)
@@ -373,7 +367,7 @@ def requests_file(out: Path) -> Path:
 def request_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What fixes the self-written requests: a cache drawn with other settings must not be mixed in."""
     return {"seed": args.seed, "temperature": args.self_temperature, "top_p": args.self_top_p,
-            "max_tokens": args.self_max_tokens, "batch_size": args.batch_size}
+            "max_tokens": args.self_max_tokens, "sampler": "per-request"}
 
 
 def read_requests(cache: Path, settings: dict[str, Any]) -> dict[int, tuple[str, bool]]:
@@ -382,7 +376,7 @@ def read_requests(cache: Path, settings: dict[str, Any]) -> dict[int, tuple[str,
     for row in _rows(cache):
         if row.get("settings") != settings:
             raise ConfigError(f"{cache} holds requests drawn with {row.get('settings')} (this run: {settings}): "
-                              "rerun with the same --seed, --self-* and --batch-size, or write to another --out")
+                              "rerun with the same --seed and --self-* settings, or write to another --out")
         have[int(row["id"])] = (row["text"], bool(row["finished"]))
     return have
 
@@ -397,26 +391,30 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
 
     cache, settings = requests_file(out), request_settings(args)
     have = read_requests(cache, settings)
-    start = next(i for i in range(args.limit + 1) if i not in have)  # the drawn prefix
-    samples = [have[i] for i in range(start)]
-    if start < args.limit:
+    missing = [i for i in range(args.limit) if i not in have]
+    if missing:
         from tqdm.auto import tqdm
 
         if main_process:
             _repair_tail(cache)
-        bar = tqdm(total=args.limit, initial=start, desc="requests", unit="request", disable=not main_process,
-                   dynamic_ncols=True)
+        bar = tqdm(total=args.limit, initial=args.limit - len(missing), desc="requests", unit="request",
+                   disable=not main_process, dynamic_ncols=True)
+        ended: list[dict[str, Any]] = []
 
-        def keep(first: int, new: list[tuple[str, bool]]) -> None:  # on disk batch by batch: a stop loses one
-            if main_process:
-                _append_rows(cache, [{"id": i, "text": text, "finished": finished, "settings": settings}
-                                     for i, (text, finished) in enumerate(new, first)])
-            bar.update(len(new))
+        def keep(i: int, text: str, finished: bool) -> None:  # on disk as they come: a stop loses a few
+            ended.append({"id": i, "text": text, "finished": finished, "settings": settings})
+            if len(ended) >= args.batch_size or len(ended) + len(have) == args.limit:
+                if main_process:
+                    _append_rows(cache, ended)
+                have.update({r["id"]: (r["text"], r["finished"]) for r in ended})
+                bar.update(len(ended))
+                ended.clear()
 
-        samples += sample_user_turns(model, tokenizer, args.limit - start, temperature=args.self_temperature,
-                                     top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
-                                     batch_size=args.batch_size, seed=args.seed, start=start, on_batch=keep)
+        have.update(sample_user_turns(model, tokenizer, missing, temperature=args.self_temperature,
+                                      top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
+                                      batch_size=args.batch_size, seed=args.seed, on_sample=keep))
         bar.close()
+    samples = [have[i] for i in range(args.limit)]
     verdict = filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
     kept = len(prompts)
@@ -424,8 +422,8 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
         prompts = exclude_prompts(prompts, args.exclude)
     verdict.dropped["excluded"] = kept - len(prompts)
     dropped = ", ".join(f"{n} {reason}" for reason, n in verdict.dropped.items() if n)
-    say(f"[distill] the target wrote {len(samples)} requests ({start} read back from {cache.name}); "
-        f"{len(prompts)} kept ({dropped or 'none dropped'})")
+    say(f"[distill] the target wrote {len(samples)} requests ({args.limit - len(missing)} read back from "
+        f"{cache.name}); {len(prompts)} kept ({dropped or 'none dropped'})")
     return prompts
 
 

@@ -16,12 +16,11 @@ The samples are filtered before anything answers them; `filter_prompts` says how
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from .batch_decode import decode
 from .config import ConfigError
 from .target import eos_ids
 
@@ -50,49 +49,36 @@ def _stops(model, tokenizer) -> list[int]:
     return sorted(stops)
 
 
-@torch.inference_mode()
-def _sample(model, tokenizer, prefixes: list[list[int]], stops: list[int], *, temperature: float, top_p: float,
-            max_new_tokens: int) -> list[tuple[str, bool]]:
-    """One batched sample after each prefix (left padded): (text up to the first stop token, whether one came)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prefixes)
-    ids = torch.full((len(prefixes), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prefixes):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    seqs = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=True,
-                          temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
-                          pad_token_id=pad, eos_token_id=stops)
-    out = []
-    for row in seqs[:, width:].tolist():
-        stop = next((k for k, t in enumerate(row) if t in stops), None)
-        out.append((tokenizer.decode(row if stop is None else row[:stop], skip_special_tokens=True).strip(),
-                    stop is not None))
-    return out
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def sample_user_turns(model, tokenizer, n: int, *, temperature: float = 1.0, top_p: float = 0.95,
-                      max_new_tokens: int = 96, batch_size: int = 16, seed: int = 0, start: int = 0,
-                      on_batch: Callable[[int, list[tuple[str, bool]]], None] | None = None
-                      ) -> list[tuple[str, bool]]:
-    """Samples `start`..`start + n - 1` of the model's user requests: (text, finished) each, where finished means
-    the model closed its turn within `max_new_tokens`. Sample i is drawn with the seed `seed + i // batch_size`
-    batch by batch, so a rerun asking for more continues the same sequence. `on_batch(first, samples)` sees each
-    batch as it is drawn (the CLI keeps them on disk and moves its progress bar)."""
+def sample_seed(seed: int, i: int) -> int:
+    """The seed of request i of a run seeded `seed`: every request has its own generator, so it is the same
+    whichever requests were drawn beside it, or before it. Distinct for every (seed, i < 1,000,003) and under 2**32
+    for seeds under 4,000 (a CPU generator keeps the low 32 bits of its seed)."""
+    return (seed * 1_000_003 + i) % 2**32
+
+
+def sample_user_turns(model, tokenizer, indices: Sequence[int], *, temperature: float = 1.0, top_p: float = 0.95,
+                      max_new_tokens: int = 96, batch_size: int = 32, seed: int = 0,
+                      on_sample: Callable[[int, str, bool], None] | None = None) -> dict[int, tuple[str, bool]]:
+    """Samples the model's user requests number `indices`: {i: (text, finished)}, where finished means the model
+    closed its turn within `max_new_tokens`; request i from a generator seeded `sample_seed(seed, i)`, so a rerun
+    asking for more draws the same ones again. `batch_size` requests are in flight at once (continuous batching:
+    a short request frees its slot for the next). `on_sample(i, text, finished)` sees each as it ends (the CLI
+    keeps them on disk and moves its progress bar)."""
     prefix = user_turn_prefix(tokenizer)
-    stops = _stops(model, tokenizer)
-    out: list[tuple[str, bool]] = []
-    first = start - start % batch_size  # whole batches, so sample i is the same whatever `start` was
-    for b in range(first, start + n, batch_size):
-        torch.manual_seed(seed + b // batch_size)
-        drawn = _sample(model, tokenizer, [prefix] * batch_size, stops, temperature=temperature, top_p=top_p,
-                        max_new_tokens=max_new_tokens)  # one prefix: no padding
-        lo = max(b, start)
-        mine = drawn[lo - b:start + n - b]
-        out += mine
-        if on_batch is not None:
-            on_batch(lo, mine)
+    indices = list(indices)
+    out: dict[int, tuple[str, bool]] = {}
+    for k, tokens, finished in decode(model, [prefix] * len(indices), max_new_tokens=max_new_tokens,
+                                      stops=_stops(model, tokenizer), pad_id=_pad_id(tokenizer),
+                                      batch_size=batch_size, temperature=temperature, top_p=top_p,
+                                      seeds=[sample_seed(seed, i) for i in indices]):
+        text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        out[indices[k]] = (text, finished)
+        if on_sample is not None:
+            on_sample(indices[k], text, finished)
     return out
 
 
@@ -112,16 +98,20 @@ class FollowUps:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
                 "latin_only": self.latin_only}
 
-    def write(self, model, tokenizer, conversations: list[list[dict[str, str]]], seed: int) -> list[str | None]:
-        """The next user turn for each conversation (one batch under `seed`), None where a filter dropped it."""
-        if not conversations:
-            return []
-        torch.manual_seed(seed)
-        drawn = _sample(model, tokenizer, [user_turn_prefix(tokenizer, c) for c in conversations],
-                        _stops(model, tokenizer), temperature=self.temperature, top_p=self.top_p,
-                        max_new_tokens=self.max_tokens)
+    def write(self, model, tokenizer, conversations: list[list[dict[str, str]]], seed: int,
+              batch_size: int = 32) -> list[str | None]:
+        """The next user turn for each conversation (conversation k sampled from a generator seeded
+        `sample_seed(seed, k)`), None where a filter dropped it."""
+        prefixes = [user_turn_prefix(tokenizer, c) for c in conversations]
+        drawn: dict[int, tuple[str, bool]] = {}
+        for k, tokens, finished in decode(model, prefixes, max_new_tokens=self.max_tokens,
+                                          stops=_stops(model, tokenizer), pad_id=_pad_id(tokenizer),
+                                          batch_size=batch_size, temperature=self.temperature, top_p=self.top_p,
+                                          seeds=[sample_seed(seed, k) for k in range(len(prefixes))]):
+            drawn[k] = (tokenizer.decode(tokens, skip_special_tokens=True).strip(), finished)
         out: list[str | None] = []
-        for text, finished in drawn:
+        for k in range(len(conversations)):
+            text, finished = drawn[k]
             reason = _reject(text, finished, self.min_words, self.latin_only)
             if reason is not None:
                 self.dropped[reason] = self.dropped.get(reason, 0) + 1

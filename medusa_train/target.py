@@ -6,6 +6,8 @@ of positions in `losses.py` as `lm_head(h_chunk)`, so [B, T, V] teacher logits n
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import warnings
 import weakref
@@ -246,6 +248,19 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+@functools.cache
+def _cache_keyword(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: nn.Module, cache) -> dict[str, Any]:
+    """The keyword argument that hands a key/value `cache` to `model`'s forward: `cache` where the model takes it
+    (transformers 5.24 renamed it and removes `past_key_values` in 5.40), `past_key_values` on older versions (the
+    GPU machines' 5.17). Decided once per model class, by its signature."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def text_config(config):

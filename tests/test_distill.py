@@ -49,12 +49,15 @@ def test_rows_hold_the_greedy_reply(tmp_path):
 def test_reply_stops_at_end_of_turn(tmp_path):
     model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
     eos = tok.eos_token_id
-    model.generation_config.suppress_tokens = [eos]  # never ends: cut by max_new_tokens
+    bias = torch.zeros(model.config.vocab_size)
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    bias[eos] = -1e4  # never ends: cut by max_new_tokens
     replies = D.generate_replies(model, tok, D.render_prompts(tok, PROMPTS[:2]), max_new_tokens=5)
     assert all(finish == "length" and n == 5 for _, finish, n in replies)
-    model.generation_config.suppress_tokens = [t for t in range(model.config.vocab_size) if t != eos]
+    bias[eos] = 1e4
     replies = D.generate_replies(model, tok, D.render_prompts(tok, PROMPTS[:2]), max_new_tokens=5)
     assert replies == [("", "stop", 0), ("", "stop", 0)]  # <|im_end|> first: an empty reply, finished
+    hook.remove()
 
 
 def spy_batches(monkeypatch) -> list[int]:
@@ -229,7 +232,7 @@ def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, m
     recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n")
     out = tmp_path / "o.jsonl"
     argv = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "2",
-            "--batch-size", "2"]
+            "--batch-size", "1"]  # chunks of D.CHUNK (4) prompts: 4, then 2
     real = D.generate_replies
     calls = []
 
@@ -243,7 +246,7 @@ def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, m
     assert D.main(argv) == 75
     err = capsys.readouterr().err
     assert "[distill] stopped:" in err and "rerun the same command to continue" in err and "Traceback" not in err
-    assert len(rows(out)) == 2  # the first batch; the second was cut
+    assert len(rows(out)) == D.CHUNK  # the first chunk; the second was cut
     monkeypatch.setattr(D, "generate_replies", real)
     assert D.main(argv) == 0
     assert sorted(r["id"] for r in rows(out)) == [f"q{i}" for i in range(6)]

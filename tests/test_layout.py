@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROOMS = {
     "base": ["medusa_train.errors", "medusa_train.files", "medusa_train.config"],
     "target and data": ["medusa_train.target", "medusa_train.chat", "medusa_train.formats", "medusa_train.data",
-                        "medusa_train.prompts", "medusa_train.self_prompts"],
+                        "medusa_train.prompts", "medusa_train.self_prompts", "medusa_train.batch_decode"],
     "heads": ["medusa_train.eagle3", "medusa_train.heads", "medusa_train.losses", "medusa_train.target_states"],
     "engine": ["inference.engine.tree", "inference.engine.kernels", "inference.engine.kv", "inference.engine.verify",
                "inference.engine.support", "inference.engine.calibrate", "inference.engine.choice",

@@ -11,6 +11,7 @@ from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from medusa_train import distill as D
 from medusa_train import self_prompts as S
+from medusa_train.batch_decode import _top_p
 from medusa_train.config import ConfigError
 
 
@@ -22,25 +23,33 @@ def test_the_prefix_is_the_templates_opening_of_a_user_turn():
         S.user_turn_prefix(tok)
 
 
+def _sampled(model, prefix: list[int], seed: int, max_new: int, stops: list[int], temperature=1.0, top_p=0.95):
+    """What sampling means, written out: each token drawn from the nucleus of the model's next-token distribution
+    on everything so far (no cache, no batch), with the request's own generator."""
+    gen, tokens = torch.Generator().manual_seed(seed), []
+    for _ in range(max_new):
+        logits = model(torch.tensor([prefix + tokens])).logits[0, -1]
+        t = int(torch.multinomial(_top_p(logits[None], temperature, top_p)[0], 1, generator=gen))
+        if t in stops:
+            return tokens, True
+        tokens.append(t)
+    return tokens, False
+
+
 def test_samples_are_the_models_own_continuations_of_the_prefix():
-    """The same as sampling the model directly from the prefix with the batch's seed; asking for the later part
-    of the sequence gives the same samples."""
+    """Request i is the model's own sample after the template's user-turn prefix, from a generator seeded
+    sample_seed(seed, i): drawn in any batch, or later, it is the same."""
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
-    got = S.sample_user_turns(model, tok, 6, max_new_tokens=12, batch_size=4, seed=7)
+    got = S.sample_user_turns(model, tok, range(6), max_new_tokens=12, batch_size=4, seed=7)
     prefix = S.user_turn_prefix(tok)
-    want = []
-    for b in range(2):
-        torch.manual_seed(7 + b)
-        ids = torch.tensor([prefix] * 4)
-        seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                              top_p=0.95, top_k=None, max_new_tokens=12, pad_token_id=tok.pad_token_id,
-                              eos_token_id=[tok.eos_token_id])
-        for row in seqs[:, len(prefix):].tolist():
-            stop = next((k for k, t in enumerate(row) if t == tok.eos_token_id), None)
-            want.append((tok.decode(row if stop is None else row[:stop], skip_special_tokens=True).strip(),
-                         stop is not None))
-    assert got == want[:6]
-    assert S.sample_user_turns(model, tok, 3, max_new_tokens=12, batch_size=4, seed=7, start=3) == want[3:6]
+    want = {}
+    for i in range(6):
+        tokens, stopped = _sampled(model, prefix, S.sample_seed(7, i), 12, [tok.eos_token_id])
+        want[i] = (tok.decode(tokens, skip_special_tokens=True).strip(), stopped)
+    assert got == want
+    assert S.sample_user_turns(model, tok, [3, 5], max_new_tokens=12, batch_size=1, seed=7) == {3: want[3],
+                                                                                               5: want[5]}
+    assert S.sample_user_turns(model, tok, [3], max_new_tokens=12, seed=8)[3] != want[3]  # another seed
 
 
 def test_each_filter_drops_what_it_should():
@@ -73,10 +82,11 @@ def test_distill_answers_the_kept_requests_excludes_benchmarks_and_resumes(tmp_p
                ("What is the capital city of France today?", True), ("Give me three tips for a job interview.", True)]
     drawn = []
 
-    def fake_sample(model, tokenizer, n, start=0, on_batch=None, **kw):
-        drawn.append((start, n, kw["seed"]))
-        on_batch(start, samples[start:start + n])
-        return samples[start:start + n]
+    def fake_sample(model, tokenizer, indices, on_sample=None, **kw):
+        drawn.append((list(indices), kw["seed"]))
+        for i in indices:
+            on_sample(i, *samples[i])
+        return {i: samples[i] for i in indices}
 
     monkeypatch.setattr(S, "sample_user_turns", fake_sample)
     out = tmp_path / "self.jsonl"
@@ -85,14 +95,14 @@ def test_distill_answers_the_kept_requests_excludes_benchmarks_and_resumes(tmp_p
     assert D.main(args + ["--limit", "3"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["messages"][0]["content"] for r in rows] == [samples[0][0]]  # "Hi" is short, the benchmark's out
-    assert drawn == [(0, 3, 5)]
+    assert drawn == [([0, 1, 2], 5)]
     assert D.main(args + ["--limit", "4"]) == 0  # a larger job: the kept requests are read back, one more drawn
-    assert drawn == [(0, 3, 5), (3, 1, 5)]
+    assert drawn == [([0, 1, 2], 5), ([3], 5)]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["messages"][0]["content"] for r in rows] == [samples[0][0], samples[3][0]]
     assert [r["id"] for r in rows] == ["self-5-0", "self-5-3"] and all(r["prompt_source"] == "self" for r in rows)
     assert D.main(args + ["--limit", "4"]) == 0  # nothing drawn, nothing answered twice
-    assert drawn == [(0, 3, 5), (3, 1, 5)] and len(out.read_text().splitlines()) == 2
+    assert drawn == [([0, 1, 2], 5), ([3], 5)] and len(out.read_text().splitlines()) == 2
     assert D.main(args + ["--limit", "4", "--self-temperature", "0.7"]) == 2  # other settings: refused, not mixed
 
 
@@ -111,28 +121,30 @@ def test_self_prompts_need_a_limit_and_a_template(tmp_path, capsys):
 
 
 def test_requests_reach_the_disk_batch_by_batch(tmp_path, monkeypatch):
-    """A run stopped while the target writes requests keeps the batches it drew: the rerun draws only the rest."""
+    """A run stopped while the target writes requests keeps them on disk a batch at a time: the rerun draws only
+    the rest."""
     save_tiny(tmp_path / "model", "llama")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {{model: {tmp_path / 'model'}}}\ndata: {{dataset: x.jsonl, format: chat}}\n")
     samples = [(f"Please tell me about topic number {i} today.", True) for i in range(6)]
     calls = []
 
-    def stopped_after_one_batch(model, tokenizer, n, start=0, on_batch=None, **kw):
-        calls.append(start)
-        on_batch(start, samples[start:start + 2])
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while drawing the second batch
-        on_batch(start + 2, samples[start + 2:start + n])
-        return samples[start:start + n]
+    def stopped_after_one_batch(model, tokenizer, indices, on_sample=None, **kw):
+        calls.append(list(indices))
+        for n, i in enumerate(indices):
+            if len(calls) == 1 and n == 3:
+                raise KeyboardInterrupt  # Ctrl-C after three requests ended: the first batch (2) is on disk
+            on_sample(i, *samples[i])
+        return {i: samples[i] for i in indices}
 
     monkeypatch.setattr(S, "sample_user_turns", stopped_after_one_batch)
     out = tmp_path / "self.jsonl"
-    args = [str(recipe), "--prompts", "self", "--limit", "6", "--out", str(out), "--max-new-tokens", "4"]
+    args = [str(recipe), "--prompts", "self", "--limit", "6", "--out", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2"]
     assert D.main(args) == 75
     assert [json.loads(line)["id"] for line in D.requests_file(out).read_text().splitlines()] == [0, 1]
     assert D.main(args) == 0
-    assert calls == [0, 2]
+    assert calls == [[0, 1, 2, 3, 4, 5], [2, 3, 4, 5]]
     assert len(out.read_text().splitlines()) == 6
 
 
@@ -147,22 +159,13 @@ def test_a_follow_up_is_the_models_own_continuation_of_the_conversation(monkeypa
     assert tok.decode(prefixes[0]) == text + "<|im_start|>user\n"
     follow = S.FollowUps(temperature=0.05, max_tokens=10, min_words=1)  # cold: a tiny random model's sample
     # then follows its context (at 1.0 its near-uniform draws hardly depend on what it read)
-    got = follow.write(model, tok, convs, seed=11)
-    width = max(map(len, prefixes))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prefixes])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
-    torch.manual_seed(11)
-    seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.05, top_p=0.95,
-                          top_k=None, max_new_tokens=10, pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
-    want = []
-    for row in seqs[:, width:].tolist():
-        stop = next((k for k, t in enumerate(row) if t == tok.eos_token_id), None)
-        want.append(tok.decode(row[:stop], skip_special_tokens=True).strip() if stop is not None
-                    else None)  # a follow-up cut off at max_tokens is dropped (unfinished)
-    assert got == want
-    assert sum(follow.dropped.values()) == want.count(None)
+    got = follow.write(model, tok, convs, seed=11, batch_size=2)
+    raw = [_sampled(model, p, S.sample_seed(11, k), 10, [tok.eos_token_id], temperature=0.05)
+           for k, p in enumerate(prefixes)]
+    texts = [tok.decode(t, skip_special_tokens=True).strip() for t, _ in raw]
+    assert got == [t if stopped else None for t, (_, stopped) in zip(texts, raw)]  # cut off at max_tokens: dropped
+    assert sum(follow.dropped.values()) == got.count(None)
     monkeypatch.setattr(S, "_reject", lambda *a: None)  # every sample kept: compare the texts themselves
-    texts = [tok.decode(row, skip_special_tokens=True).strip() for row in seqs[:, width:].tolist()]
     assert all(texts) and S.FollowUps(0.05, max_tokens=10).write(model, tok, convs, seed=11) == texts
 
 
@@ -176,7 +179,7 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
     seen = []
 
-    def fake_replies(model, tok, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0):
+    def fake_replies(model, tok, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, batch_size=None, seeds=None):
         out = []
         for ids in prompt_ids:
             seen.append(tok.decode(ids))
@@ -185,7 +188,7 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
             out.append((f"reply {q}", "length" if q == "1" else "stop", 3))
         return out
 
-    def fake_follow(self, model, tok, conversations, seed):
+    def fake_follow(self, model, tok, conversations, seed, batch_size=32):
         return [None if c[0]["content"] == "question 2" else "and then what happened next?" for c in conversations]
 
     monkeypatch.setattr(D, "generate_replies", fake_replies)

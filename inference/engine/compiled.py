@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from inference.engine.kernels import undo_onednn_linear
-from inference.engine.kv import cache_kwargs, new_static_cache, set_static_length
+from inference.engine.kv import new_static_cache, set_static_length
+from medusa_train.target import cache_kwargs
 from inference.engine.tree import Tree
 from medusa_train.target import decoder, final_logits, hidden_with_layers, logit_transform
 

@@ -9,9 +9,6 @@ These calls change between transformers versions; keep them here.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from torch import nn
 from transformers import DynamicCache, StaticCache
@@ -52,19 +49,6 @@ def set_static_length(cache: StaticCache, length: int) -> None:
     which is no host sync). Entries past it stay in memory, masked out of every later forward."""
     for layer in cache.layers:
         layer.cumulative_length.fill_(length)
-
-
-@functools.cache
-def _cache_keyword(forward_owner: type) -> str:
-    params = inspect.signature(forward_owner.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def cache_kwargs(model: nn.Module, cache: DynamicCache | StaticCache) -> dict[str, DynamicCache | StaticCache]:
-    """The keyword argument that hands `cache` to `model`'s forward: `cache` where the model takes it (transformers
-    5.24 renamed it and removes `past_key_values` in 5.40), `past_key_values` on older versions (the GPU machines'
-    5.17). Decided once per model class, by its signature."""
-    return {_cache_keyword(type(model)): cache}
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from inference.engine.kernels import tree_attention
-from inference.engine.kv import cache_kwargs, cache_length
+from inference.engine.kv import cache_length
+from medusa_train.target import cache_kwargs
 from inference.engine.tree import Tree, tree_attention_mask, tree_position_ids
 from medusa_train.target import decoder, final_logits, hidden_with_layers
 

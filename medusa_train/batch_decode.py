@@ -1,0 +1,190 @@
+"""Many generations at once with continuous batching: what distillation spends its time on.
+
+`model.generate` on a batch keeps decoding every row until the longest one ends, so a row that stopped after 40
+tokens still costs a forward row for each of the others' remaining steps, and nothing joins the batch until all are
+done. `decode` keeps up to `batch_size` rows in flight over one left-padded key/value cache: a row that stops leaves
+(the cache drops its row), waiting prompts join when a quarter of the slots are free (their prompt is prefilled on
+its own and its cache left-padded to the batch's length), and columns that every row holds as padding are cut.
+Each row is sampled with a generator of its own (`seeds`), so a row's sample does not depend on which rows shared
+its batch; greedy rows need none.
+
+Plain key/value caches only (every layer a `DynamicLayer`): for a model with sliding-window, recurrent or other
+cache layers, `decode` falls back to `model.generate` on batches of `batch_size`, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .target import cache_kwargs
+
+REFILL = 0.25  # prompts join when this share of the slots is free: a prefill per one or two rows would cost more
+
+
+def _top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Probabilities of each row's next token after temperature and nucleus (top-p) filtering."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _plain_cache(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _left_pad(cache, width: int) -> None:
+    """Pads every layer's keys and values on the left (the sequence axis) to `width` columns."""
+    for layer in cache.layers:
+        extra = width - layer.keys.shape[-2]
+        if extra > 0:
+            pad = (0, 0, extra, 0)
+            layer.keys = torch.nn.functional.pad(layer.keys, pad)
+            layer.values = torch.nn.functional.pad(layer.values, pad)
+
+
+def _concat(cache, other) -> None:
+    for layer, new in zip(cache.layers, other.layers):
+        layer.keys = torch.cat([layer.keys, new.keys])
+        layer.values = torch.cat([layer.values, new.values])
+
+
+def _cut_left(cache, columns: int) -> None:
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., columns:, :]
+        layer.values = layer.values[..., columns:, :]
+
+
+@torch.inference_mode()
+def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stops: Sequence[int], pad_id: int,
+           batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None
+           ) -> Iterator[tuple[int, list[int], bool]]:
+    """Yields (prompt index, new tokens up to the first stop token, stopped) for every prompt, as each one ends
+    (in that order, not the prompts'). Greedy at `temperature` 0; else sampled with `top_p`, prompt i from a
+    generator seeded `seeds[i]`."""
+    from transformers import DynamicCache
+
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("decode: sampling needs one seed per prompt")
+    stop_set = set(int(t) for t in stops)
+    device = model.device
+    waiting = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
+    rows: list[int] = []  # prompt index of each cache row
+    out: dict[int, list[int]] = {}
+    gens: dict[int, torch.Generator] = {}
+    cache = mask = positions = last = None
+
+    def prefill(batch: list[int]):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        m = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            m[r, width - len(prompts[i]):] = 1
+        ids, m = ids.to(device), m.to(device)
+        pos = (m.cumsum(-1) - 1).clamp(min=0)
+        c = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=m, position_ids=pos, use_cache=True, logits_to_keep=1,
+                       **cache_kwargs(model, c)).logits[:, -1]
+        return c, m, pos[:, -1] + 1, logits
+
+    def pick(logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(-1)
+        probs = _top_p(logits, temperature, top_p)
+        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[i]) for r, i in enumerate(batch)])
+
+    while waiting or rows:
+        free = batch_size - len(rows)
+        if waiting and (not rows or free >= max(1, int(batch_size * REFILL))):
+            batch = [waiting.pop() for _ in range(min(free, len(waiting)))]
+            for i in batch:
+                out[i] = []
+                if temperature > 0:
+                    gens[i] = torch.Generator(device=device).manual_seed(int(seeds[i]))
+            c, m, pos, logits = prefill(batch)
+            if not _plain_cache(c):  # a cache we cannot splice: generate() batch by batch instead
+                yield from _generate_fallback(model, prompts, [*rows, *batch, *waiting[::-1]], out, max_new_tokens,
+                                              stops, pad_id, batch_size, temperature, top_p, seeds)
+                return
+            nxt = pick(logits, batch)
+            if cache is None:
+                cache, mask, positions, last = c, m, pos, nxt
+            else:
+                width = max(mask.shape[1], m.shape[1])
+                _left_pad(cache, width)
+                _left_pad(c, width)
+                _concat(cache, c)
+                mask = torch.cat([torch.nn.functional.pad(mask, (width - mask.shape[1], 0)),
+                                  torch.nn.functional.pad(m, (width - m.shape[1], 0))])
+                positions, last = torch.cat([positions, pos]), torch.cat([last, nxt])
+            check = range(len(rows), len(rows) + len(batch))  # the rows in flight wait for this prefill
+            rows += batch
+        else:
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            logits = model(input_ids=last[:, None], attention_mask=mask, position_ids=positions[:, None],
+                           use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+            positions = positions + 1
+            last = pick(logits, rows)
+            check = range(len(rows))
+        keep = [r for r in range(len(rows)) if r not in check]
+        tokens = last.tolist()  # the one host sync of a step
+        for r in check:
+            i, t = rows[r], tokens[r]
+            if t in stop_set:
+                yield i, out.pop(i), True
+            else:
+                out[i].append(t)
+                if len(out[i]) >= max_new_tokens:
+                    yield i, out.pop(i), False
+                else:
+                    keep.append(r)
+        if len(keep) < len(rows):
+            keep.sort()
+            for i in [rows[r] for r in range(len(rows)) if r not in set(keep)]:
+                gens.pop(i, None)
+            if not keep:
+                cache = mask = positions = last = None
+                rows = []
+                continue
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, positions, last = mask[index], positions[index], last[index]
+            rows = [rows[r] for r in keep]
+            empty = int((mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns no row attends to
+            if empty:
+                _cut_left(cache, empty)
+                mask = mask[:, empty:]
+
+
+def _generate_fallback(model, prompts, todo, out, max_new_tokens, stops, pad_id, batch_size, temperature, top_p,
+                       seeds) -> Iterator[tuple[int, list[int], bool]]:
+    """`model.generate` on batches of `batch_size` of the prompts in `todo` (sampling seeded by each batch's first
+    prompt): for caches `decode` cannot splice."""
+    stop_set = set(int(t) for t in stops)
+    for b in range(0, len(todo), batch_size):
+        batch = todo[b:b + batch_size]
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        m = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            m[r, width - len(prompts[i]):] = 1
+        kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None) if temperature > 0 else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if temperature > 0:
+            torch.manual_seed(int(seeds[batch[0]]))
+        seqs = model.generate(input_ids=ids.to(model.device), attention_mask=m.to(model.device),
+                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=list(stops), **kw)
+        for i, row in zip(batch, seqs[:, width:].tolist()):
+            out.pop(i, None)
+            stop = next((k for k, t in enumerate(row) if t in stop_set), None)
+            yield i, row if stop is None else row[:stop], stop is not None

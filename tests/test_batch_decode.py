@@ -1,0 +1,85 @@
+"""Continuous batching for distillation (`medusa_train.batch_decode`): rows leave when they stop and prompts join as
+slots free up, over one left-padded cache, and every prompt still gets what the model generates for it alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny import tiny_model
+from transformers import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from medusa_train.batch_decode import _top_p, decode
+
+STOPS = list(range(3, 40))  # about one token in seven stops a row: rows end at every step, slots refill
+
+
+def _prompts(n: int = 13, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(40, 250) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
+
+
+def _alone(model, prompt: list[int], max_new: int) -> tuple[list[int], bool]:
+    seq = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=STOPS, pad_token_id=0)[0, len(prompt):].tolist()
+    stop = next((k for k, t in enumerate(seq) if t in STOPS), None)
+    return (seq if stop is None else seq[:stop]), stop is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])  # mistral: a sliding-window cache, generate() batches
+def test_greedy_rows_are_what_the_model_writes_for_each_prompt_alone(arch):
+    model = tiny_model(arch, seed=1)
+    prompts = _prompts()
+    got = {i: (t, s) for i, t, s in decode(model, prompts, max_new_tokens=12, stops=STOPS, pad_id=0, batch_size=4)}
+    assert sorted(got) == list(range(len(prompts)))
+    assert {i: _alone(model, p, 12) for i, p in enumerate(prompts)} == got
+    stopped = sum(s for _, s in got.values())
+    assert 0 < stopped < len(prompts)  # both endings occur: the stop token and the length limit
+
+
+def test_rows_join_and_leave_a_spliced_cache():
+    """The plain-cache path really splices: prompts join a batch in flight (a prefill while others decode) and
+    columns no row attends to are cut, with the same tokens as each prompt alone."""
+    model = tiny_model("llama", seed=1)
+    assert all(type(layer).__name__ == "DynamicLayer" for layer in DynamicCache(config=model.config).layers)
+    prompts = _prompts(24, seed=2)
+    calls = []
+    forward = model.forward
+
+    def spy(*a, **kw):
+        cache = kw.get("cache", kw.get("past_key_values"))
+        calls.append((kw["input_ids"].shape, cache.get_seq_length()))
+        return forward(*a, **kw)
+
+    model.forward = spy
+    got = {i: (t, s) for i, t, s in decode(model, prompts, max_new_tokens=10, stops=STOPS, pad_id=0, batch_size=8)}
+    model.forward = forward
+    assert got == {i: _alone(model, p, 10) for i, p in enumerate(prompts)}
+    prefills = [shape for shape, _ in calls if shape[1] > 1]
+    assert len(prefills) > 2 and max(b for b, _ in prefills) <= 8  # refills, never more than the slots
+    lengths = [n for shape, n in calls if shape[1] == 1]
+    assert any(b < a for a, b in zip(lengths, lengths[1:]))  # the cache got shorter: padding columns were cut
+
+
+def test_a_sampled_row_does_not_depend_on_its_batch():
+    """Each prompt samples from a generator of its own: alone or among others, it draws the same tokens."""
+    model = tiny_model("llama", seed=1)
+    prompts = _prompts(9, seed=3)
+    seeds = [100 + i for i in range(len(prompts))]
+    kw = dict(max_new_tokens=10, stops=STOPS, pad_id=0, temperature=0.9, top_p=0.9, seeds=seeds)
+    together = {i: t for i, t, _ in decode(model, prompts, batch_size=4, **kw)}
+    alone = {i: t for i, t, _ in decode(model, prompts, batch_size=1, **kw)}
+    assert together == alone
+    other = {i: t for i, t, _ in decode(model, prompts, batch_size=4, **kw | {"seeds": [s + 1 for s in seeds]})}
+    assert other != together
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        next(decode(model, prompts, max_new_tokens=2, stops=STOPS, pad_id=0, temperature=1.0))
+
+
+def test_nucleus_probabilities_match_transformers():
+    logits = torch.randn(5, 50) * 3
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (1.0, 0.01)]:
+        warped = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+        assert torch.allclose(_top_p(logits, temperature, top_p), torch.softmax(warped, -1), atol=1e-6)
