@@ -36,7 +36,6 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-
 from .batch_decode import decode
 from .chat import render_prompt
 from .config import ConfigError, load_config
