@@ -2,9 +2,10 @@
 
 `model.generate` on a batch keeps decoding every row until the longest one ends, so a row that stopped after 40
 tokens still costs a forward row for each of the others' remaining steps, and nothing joins the batch until all are
-done. `decode` keeps up to `batch_size` rows in flight over one left-padded key/value cache: a row that stops leaves
-(the cache drops its row), waiting prompts join when a quarter of the slots are free (their prompt is prefilled on
-its own and its cache left-padded to the batch's length), and columns that every row holds as padding are cut.
+done. `decode` keeps up to `batch_size` rows in flight over one left-padded key/value cache: waiting prompts join
+when a quarter of the slots are free (their prompts prefilled together, that cache left-padded to the batch's length
+and appended), rows that ended are dropped then (until then they ride along, their tokens ignored: one copy of the
+cache drops a quarter of the rows at once), and so are the columns that every row holds as padding.
 Each row is sampled with a generator of its own (`seeds`), so a row's sample does not depend on which rows shared
 its batch; greedy rows need none.
 
@@ -77,7 +78,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
     stop_set = set(int(t) for t in stops)
     device = model.device
     waiting = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
-    rows: list[int] = []  # prompt index of each cache row
+    rows: list[int | None] = []  # prompt index of each cache row; None: it ended, its row not yet dropped
     out: dict[int, list[int]] = {}
     gens: dict[int, torch.Generator] = {}
     cache = mask = positions = last = None
@@ -96,24 +97,48 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                        **cache_kwargs(model, c)).logits[:, -1]
         return c, m, pos[:, -1] + 1, logits
 
-    def pick(logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+    def pick(logits: torch.Tensor, batch: list[int | None]) -> torch.Tensor:
         if temperature <= 0:
             return logits.argmax(-1)
         probs = _top_p(logits, temperature, top_p)
-        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[i]) for r, i in enumerate(batch)])
+        return torch.cat([torch.multinomial(probs[r], 1, generator=gens[i]) if i is not None
+                          else probs.new_zeros(1, dtype=torch.long) for r, i in enumerate(batch)])
 
-    while waiting or rows:
-        free = batch_size - len(rows)
-        if waiting and (not rows or free >= max(1, int(batch_size * REFILL))):
-            batch = [waiting.pop() for _ in range(min(free, len(waiting)))]
+    def compact() -> None:
+        """Drops the rows that ended (one copy of the cache for all of them) and the columns no row attends to."""
+        nonlocal cache, mask, positions, last, rows
+        keep = [r for r, i in enumerate(rows) if i is not None]
+        if not keep:
+            cache = mask = positions = last = None
+            rows = []
+            return
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, positions, last = mask[index], positions[index], last[index]
+            rows = [rows[r] for r in keep]
+        empty = int((mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns no row attends to
+        if empty:
+            _cut_left(cache, empty)
+            mask = mask[:, empty:]
+
+    threshold = max(1, int(batch_size * REFILL))
+    while waiting or any(i is not None for i in rows):
+        alive = sum(i is not None for i in rows)
+        refill = bool(waiting) and (alive == 0 or batch_size - alive >= threshold)
+        if refill or len(rows) - alive >= threshold or alive == 0:
+            compact()  # rows that ended ride along (their tokens ignored) until enough of them pay for a copy
+        if refill:
+            batch = [waiting.pop() for _ in range(min(batch_size - alive, len(waiting)))]
             for i in batch:
                 out[i] = []
                 if temperature > 0:
                     gens[i] = torch.Generator(device=device).manual_seed(int(seeds[i]))
             c, m, pos, logits = prefill(batch)
             if not _plain_cache(c):  # a cache we cannot splice: generate() batch by batch instead
-                yield from _generate_fallback(model, prompts, [*rows, *batch, *waiting[::-1]], out, max_new_tokens,
-                                              stops, pad_id, batch_size, temperature, top_p, seeds)
+                yield from _generate_fallback(model, prompts, [*(i for i in rows if i is not None), *batch,
+                                                               *waiting[::-1]], out, max_new_tokens, stops, pad_id,
+                                              batch_size, temperature, top_p, seeds)
                 return
             nxt = pick(logits, batch)
             if cache is None:
@@ -135,34 +160,20 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
             positions = positions + 1
             last = pick(logits, rows)
             check = range(len(rows))
-        keep = [r for r in range(len(rows)) if r not in check]
         tokens = last.tolist()  # the one host sync of a step
         for r in check:
             i, t = rows[r], tokens[r]
-            if t in stop_set:
-                yield i, out.pop(i), True
+            if i is None:
+                continue
+            if t in stop_set or len(out[i]) + 1 >= max_new_tokens:
+                stopped = t in stop_set
+                if not stopped:
+                    out[i].append(t)
+                yield i, out.pop(i), stopped
+                gens.pop(i, None)
+                rows[r] = None
             else:
                 out[i].append(t)
-                if len(out[i]) >= max_new_tokens:
-                    yield i, out.pop(i), False
-                else:
-                    keep.append(r)
-        if len(keep) < len(rows):
-            keep.sort()
-            for i in [rows[r] for r in range(len(rows)) if r not in set(keep)]:
-                gens.pop(i, None)
-            if not keep:
-                cache = mask = positions = last = None
-                rows = []
-                continue
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask, positions, last = mask[index], positions[index], last[index]
-            rows = [rows[r] for r in keep]
-            empty = int((mask.sum(0) == 0).long().cumprod(0).sum())  # leading columns no row attends to
-            if empty:
-                _cut_left(cache, empty)
-                mask = mask[:, empty:]
 
 
 def _generate_fallback(model, prompts, todo, out, max_new_tokens, stops, pad_id, batch_size, temperature, top_p,
