@@ -78,8 +78,14 @@ def test_a_sampled_row_does_not_depend_on_its_batch():
         next(decode(model, prompts, max_new_tokens=2, stops=STOPS, pad_id=0, temperature=1.0))
 
 
-def test_nucleus_probabilities_match_transformers():
-    logits = torch.randn(5, 50) * 3
-    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (1.0, 0.01)]:
+@pytest.mark.parametrize("vocab,scale", [(50, 3.0), (5000, 6.0), (5000, 0.5)])  # small; peaked; flat (full sort)
+def test_nucleus_probabilities_match_transformers(vocab, scale):
+    torch.manual_seed(0)
+    logits = torch.randn(5, vocab) * scale
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (1.0, 0.95), (1.0, 0.01)]:
         warped = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
-        assert torch.allclose(_top_p(logits, temperature, top_p), torch.softmax(warped, -1), atol=1e-6)
+        mine, theirs = _top_p(logits, temperature, top_p), torch.softmax(warped, -1)
+        # the same nucleus; over thousands of near-equal tokens the two cumulative sums (ascending there, descending
+        # here) may round the boundary token differently: one token at most, a negligible mass
+        assert int(((mine > 0) ^ (theirs > 0)).sum(-1).max()) <= (1 if scale < 1 else 0)
+        assert float((mine - theirs).abs().sum(-1).max()) < 2e-3
