@@ -11,7 +11,7 @@ from tiny import tiny_model
 from transformers import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from medusa_train.batch_decode import _top_p, decode
+from medusa_train.batch_decode import _sample, _top_p, decode
 
 STOPS = list(range(3, 40))  # about one token in seven stops a row: rows end at every step, slots refill
 
@@ -89,3 +89,24 @@ def test_nucleus_probabilities_match_transformers(vocab, scale):
         # here) may round the boundary token differently: one token at most, a negligible mass
         assert int(((mine > 0) ^ (theirs > 0)).sum(-1).max()) <= (1 if scale < 1 else 0)
         assert float((mine - theirs).abs().sum(-1).max()) < 2e-3
+
+
+def test_draws_follow_the_nucleus_distribution():
+    """40,000 rows, each with its own generator, drawn from one distribution: the counts fit the `_top_p`
+    probabilities (chi-square at p = 0.001; a draw that ignored the nucleus, the temperature or the generator's
+    uniform would fail), and no token outside the nucleus is ever drawn."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 30) * 2
+    n = 40_000
+    for temperature, top_p in [(0.8, 0.9), (1.0, 1.0)]:
+        gens = [torch.Generator().manual_seed(10_000 + i) for i in range(n)]
+        tokens = _sample(logits.expand(n, -1), temperature, top_p, gens)
+        want = _top_p(logits, temperature, top_p)[0]
+        counts = torch.bincount(tokens, minlength=30).double()
+        assert counts[want == 0].sum() == 0
+        live = want > 0
+        expected = want[live].double() * n
+        chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+        df = int(live.sum()) - 1
+        z = 3.09  # the 0.999 quantile of the normal, through the Wilson-Hilferty approximation of chi-square
+        assert chi2 < df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3, (temperature, top_p, chi2, df)

@@ -11,7 +11,6 @@ from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 from medusa_train import distill as D
 from medusa_train import self_prompts as S
-from medusa_train.batch_decode import _top_p
 from medusa_train.config import ConfigError
 
 
@@ -24,12 +23,16 @@ def test_the_prefix_is_the_templates_opening_of_a_user_turn():
 
 
 def _sampled(model, prefix: list[int], seed: int, max_new: int, stops: list[int], temperature=1.0, top_p=0.95):
-    """What sampling means, written out: each token drawn from the nucleus of the model's next-token distribution
-    on everything so far (no cache, no batch), with the request's own generator."""
+    """What sampling means, written out: each token drawn by the inverse CDF from the nucleus of the model's
+    next-token distribution on everything so far (no cache, no batch, the full sort), one uniform from the request's
+    own generator a token."""
     gen, tokens = torch.Generator().manual_seed(seed), []
     for _ in range(max_new):
-        logits = model(torch.tensor([prefix + tokens])).logits[0, -1]
-        t = int(torch.multinomial(_top_p(logits[None], temperature, top_p)[0], 1, generator=gen))
+        probs = torch.softmax(model(torch.tensor([prefix + tokens])).logits[0, -1] / temperature, -1)
+        vals, order = probs.sort(descending=True)
+        vals = vals.masked_fill(vals.cumsum(-1) - vals >= top_p, 0.0)
+        u = float(torch.rand(1, generator=gen)) * float(vals.sum())
+        t = int(order[min(int((vals.cumsum(-1) <= u).sum()), len(vals) - 1)])
         if t in stops:
             return tokens, True
         tokens.append(t)
