@@ -22,6 +22,7 @@ def test_the_prefix_is_the_templates_opening_of_a_user_turn():
         S.user_turn_prefix(tok)
 
 
+@torch.no_grad()
 def _sampled(model, prefix: list[int], seed: int, max_new: int, stops: list[int], temperature=1.0, top_p=0.95):
     """What sampling means, written out: each token drawn by the inverse CDF from the nucleus of the model's
     next-token distribution on everything so far (no cache, no batch, the full sort), one uniform from the request's
