@@ -63,6 +63,17 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequen
     return (idx if order is None else order.gather(-1, idx))[:, 0]
 
 
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T] padded on the left with `pad_id`, and the attention mask that marks the real tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def _plain_cache(cache) -> bool:
     from transformers.cache_utils import DynamicLayer
 
@@ -112,13 +123,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
     cache = mask = positions = last = None
 
     def prefill(batch: list[int]):
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        m = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, i in enumerate(batch):
-            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            m[r, width - len(prompts[i]):] = 1
-        ids, m = ids.to(device), m.to(device)
+        ids, m = _left_padded([prompts[i] for i in batch], pad_id, device)
         pos = (m.cumsum(-1) - 1).clamp(min=0)
         c = DynamicCache(config=model.config)
         logits = model(input_ids=ids, attention_mask=m, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -209,17 +214,13 @@ def _generate_fallback(model, prompts, todo, out, max_new_tokens, stops, pad_id,
     stop_set = set(int(t) for t in stops)
     for b in range(0, len(todo), batch_size):
         batch = todo[b:b + batch_size]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        m = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, i in enumerate(batch):
-            ids[r, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            m[r, width - len(prompts[i]):] = 1
+        ids, m = _left_padded([prompts[i] for i in batch], pad_id, model.device)
+        width = ids.shape[1]
         kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None) if temperature > 0 else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if temperature > 0:
             torch.manual_seed(int(seeds[batch[0]]))
-        seqs = model.generate(input_ids=ids.to(model.device), attention_mask=m.to(model.device),
+        seqs = model.generate(input_ids=ids, attention_mask=m,
                               max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=list(stops), **kw)
         for i, row in zip(batch, seqs[:, width:].tolist()):
             out.pop(i, None)
