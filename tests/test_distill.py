@@ -243,7 +243,13 @@ def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, m
         return real(*args, **kwargs)
 
     monkeypatch.setattr(D, "generate_replies", interrupted)
-    assert D.main(argv) == 75
+    # Python's Ctrl-C handler, whatever the suite was started under (a shell that starts it in the background
+    # ignores SIGINT, and the interpreter then keeps it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert D.main(argv) == 75
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert "[distill] stopped:" in err and "rerun the same command to continue" in err and "Traceback" not in err
     assert len(rows(out)) == D.CHUNK  # the first chunk; the second was cut
