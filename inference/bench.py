@@ -459,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from inference.engine.support import context_limit
     from medusa_train.files import atomic_write_text, write_json
     from medusa_train.heads import load_spec
-    from medusa_train.target import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype
+    from medusa_train.target import (default_device, merge_recorded_adapter, pad_id, recorded_adapter,
+                                     resolve_dtype)
 
     device = default_device(args.device)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -482,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                pack=args.cpu_linear == "onednn"):
         # shared by every method, `ar` included
         kernels = ", float32 linear layers on oneDNN" + (" (packed weights)" if args.cpu_linear == "onednn" else "")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     runners: dict[str, Runner] = {}
     generators: dict[str, SpeculativeGenerator] = {}
     counts: dict[str, dict[str, int]] = {}

@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from inference.bench import describe_prompts, load_bench_prompts, machine_description, render
     from inference.engine.kernels import use_onednn_linear
     from medusa_train.files import write_json
-    from medusa_train.target import default_device, resolve_dtype
+    from medusa_train.target import default_device, pad_id, resolve_dtype
 
     device = default_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
         texts = load_bench_prompts(args.prompts, args.limit)
         prompts = [render(tokenizer, t) for t in texts]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_id(tokenizer)
         what, prompt_set = str(args.target), describe_prompts(args.prompts, len(prompts))
     use_onednn_linear(target)  # float32 on a CPU: what the benchmark uses for every method
     with torch.inference_mode():

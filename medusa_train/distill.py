@@ -39,9 +39,10 @@ from typing import Any, Literal
 from .batch_decode import decode
 from .chat import render_prompt
 from .config import ConfigError, load_config
-from .target import eos_ids
+from .target import pad_id, stop_ids
 from .errors import ArgumentParser
 from .prompts import Prompt, exclude_prompts, load_prompts
+from . import self_prompts
 from .self_prompts import FollowUps
 
 Order = Literal["file", "shortest", "longest"]
@@ -153,14 +154,11 @@ def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_toke
     batching; default all). Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the
     first end-of-turn token (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the
     engine verifies against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = eos_ids(model, tokenizer)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)  # a reply also ends at the tokenizer's own EOS
     if temperature > 0 and seeds is None:
         seeds = list(range(len(prompt_ids)))
     out: list[tuple[str, str, int]] = [("", "", 0)] * len(prompt_ids)
-    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max_new_tokens, stops=eos, pad_id=pad,
+    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max_new_tokens, stops=stop_ids(model, tokenizer),
+                                     pad_id=pad_id(tokenizer),
                                      batch_size=batch_size or len(prompt_ids), temperature=temperature,
                                      top_p=top_p, seeds=seeds):
         out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens))
@@ -233,7 +231,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
         ends = [finish for _, finish, _ in replies]
         for t in range(1, turns):  # the target writes the user's next turn, then answers it
             live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
-            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], seed + hash_id(kept[batch[0]].id) + t,
+            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
                                     batch_size)
             go = [(k, q) for k, q in zip(live, asks) if q is not None]
             if not go:
@@ -313,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32,
-                   help="prompts per generate call, per process (SmolLM2 on 2 CPU cores, bfloat16, 128-token "
-                        "replies: 70 rows/min at 8, 148 at 32, 169 at 48)")
+                   help="prompts in flight at once, per process (continuous batching: one that ends frees its slot; "
+                        "docs/design.md gives rows a minute by batch size)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (after --order); 0: all")
     p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
@@ -386,8 +384,6 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
     removed; ids `self-SEED-I` (I: the sample's index). Samples are kept in `OUT.requests` (the main process appends
     them), so a rerun draws only those it lacks; the seed fixes every sample, so a process that draws one again
     draws the same."""
-    from .self_prompts import filter_prompts, sample_user_turns
-
     cache, settings = requests_file(out), request_settings(args)
     have = read_requests(cache, settings)
     missing = [i for i in range(args.limit) if i not in have]
@@ -409,12 +405,12 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, mai
                 bar.update(len(ended))
                 ended.clear()
 
-        have.update(sample_user_turns(model, tokenizer, missing, temperature=args.self_temperature,
+        have.update(self_prompts.sample_user_turns(model, tokenizer, missing, temperature=args.self_temperature,
                                       top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
                                       batch_size=args.batch_size, seed=args.seed, on_sample=keep))
         bar.close()
     samples = [have[i] for i in range(args.limit)]
-    verdict = filter_prompts(samples, latin_only=args.latin_only)
+    verdict = self_prompts.filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
     kept = len(prompts)
     if args.exclude:
@@ -444,10 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                 args.turns, follow_ups))
         own = args.prompts == "self"
         if own or args.turns > 1:  # the template's user turn is checked now, before the model loads
-            from .self_prompts import user_turn_prefix
             from .target import load_tokenizer
 
-            user_turn_prefix(load_tokenizer(cfg.target))
+            self_prompts.user_turn_prefix(load_tokenizer(cfg.target))
         if own:
             read_requests(requests_file(Path(args.out)), request_settings(args))
             prompts = []

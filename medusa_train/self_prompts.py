@@ -22,7 +22,7 @@ from typing import Any
 
 from .batch_decode import decode
 from .config import ConfigError
-from .target import eos_ids
+from .target import pad_id, stop_ids
 
 SENTINEL = "\u2063SELF-PROMPT\u2063"  # an invisible separator no template writes
 
@@ -40,17 +40,6 @@ def user_turn_prefix(tokenizer, history: list[dict[str, str]] | None = None) -> 
         raise ConfigError("--prompts self / --turns: the chat template does not write the user's words verbatim")
     prefix = text[:text.index(SENTINEL)]
     return tokenizer(prefix, add_special_tokens=False)["input_ids"]
-
-
-def _stops(model, tokenizer) -> list[int]:
-    stops = set(eos_ids(model, tokenizer))
-    if tokenizer.eos_token_id is not None:
-        stops.add(tokenizer.eos_token_id)
-    return sorted(stops)
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def sample_seed(seed: int, i: int) -> int:
@@ -72,7 +61,7 @@ def sample_user_turns(model, tokenizer, indices: Sequence[int], *, temperature: 
     indices = list(indices)
     out: dict[int, tuple[str, bool]] = {}
     for k, tokens, finished in decode(model, [prefix] * len(indices), max_new_tokens=max_new_tokens,
-                                      stops=_stops(model, tokenizer), pad_id=_pad_id(tokenizer),
+                                      stops=stop_ids(model, tokenizer), pad_id=pad_id(tokenizer),
                                       batch_size=batch_size, temperature=temperature, top_p=top_p,
                                       seeds=[sample_seed(seed, i) for i in indices]):
         text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -98,16 +87,16 @@ class FollowUps:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
                 "latin_only": self.latin_only}
 
-    def write(self, model, tokenizer, conversations: list[list[dict[str, str]]], seed: int,
+    def write(self, model, tokenizer, conversations: list[list[dict[str, str]]], seeds: Sequence[int],
               batch_size: int = 32) -> list[str | None]:
-        """The next user turn for each conversation (conversation k sampled from a generator seeded
-        `sample_seed(seed, k)`), None where a filter dropped it."""
+        """The next user turn for each conversation (conversation k sampled from a generator seeded `seeds[k]`, so
+        its follow-up does not depend on the conversations beside it), None where a filter dropped it."""
         prefixes = [user_turn_prefix(tokenizer, c) for c in conversations]
         drawn: dict[int, tuple[str, bool]] = {}
         for k, tokens, finished in decode(model, prefixes, max_new_tokens=self.max_tokens,
-                                          stops=_stops(model, tokenizer), pad_id=_pad_id(tokenizer),
+                                          stops=stop_ids(model, tokenizer), pad_id=pad_id(tokenizer),
                                           batch_size=batch_size, temperature=self.temperature, top_p=self.top_p,
-                                          seeds=[sample_seed(seed, k) for k in range(len(prefixes))]):
+                                          seeds=list(seeds)):
             drawn[k] = (tokenizer.decode(tokens, skip_special_tokens=True).strip(), finished)
         out: list[str | None] = []
         for k in range(len(conversations)):

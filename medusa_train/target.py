@@ -250,6 +250,19 @@ def eos_ids(model: nn.Module, tokenizer=None) -> list[int]:
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
+def stop_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a generated turn: `eos_ids` and the tokenizer's own EOS token."""
+    stops = set(eos_ids(model, tokenizer))
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    return sorted(stops)
+
+
+def pad_id(tokenizer) -> int:
+    """The id that pads a batch: the tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 @functools.cache
 def _cache_keyword(forward_owner: type) -> str:
     params = inspect.signature(forward_owner.forward).parameters

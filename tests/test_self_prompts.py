@@ -163,14 +163,15 @@ def test_a_follow_up_is_the_models_own_continuation_of_the_conversation(monkeypa
     assert tok.decode(prefixes[0]) == text + "<|im_start|>user\n"
     follow = S.FollowUps(temperature=0.05, max_tokens=10, min_words=1)  # cold: a tiny random model's sample
     # then follows its context (at 1.0 its near-uniform draws hardly depend on what it read)
-    got = follow.write(model, tok, convs, seed=11, batch_size=2)
+    seeds = [S.sample_seed(11, k) for k in range(len(convs))]
+    got = follow.write(model, tok, convs, seeds, batch_size=2)
     raw = [_sampled(model, p, S.sample_seed(11, k), 10, [tok.eos_token_id], temperature=0.05)
            for k, p in enumerate(prefixes)]
     texts = [tok.decode(t, skip_special_tokens=True).strip() for t, _ in raw]
     assert got == [t if stopped else None for t, (_, stopped) in zip(texts, raw)]  # cut off at max_tokens: dropped
     assert sum(follow.dropped.values()) == got.count(None)
     monkeypatch.setattr(S, "_reject", lambda *a: None)  # every sample kept: compare the texts themselves
-    assert all(texts) and S.FollowUps(0.05, max_tokens=10).write(model, tok, convs, seed=11) == texts
+    assert all(texts) and S.FollowUps(0.05, max_tokens=10).write(model, tok, convs, seeds) == texts
 
 
 def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(tmp_path, monkeypatch):
@@ -192,7 +193,10 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
             out.append((f"reply {q}", "length" if q == "1" else "stop", 3))
         return out
 
-    def fake_follow(self, model, tok, conversations, seed, batch_size=32):
+    followed = {}
+
+    def fake_follow(self, model, tok, conversations, seeds, batch_size=32):
+        followed.update({c[0]["content"]: s for c, s in zip(conversations, seeds)})
         return [None if c[0]["content"] == "question 2" else "and then what happened next?" for c in conversations]
 
     monkeypatch.setattr(D, "generate_replies", fake_replies)
@@ -206,5 +210,8 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
     assert len(by_prompt["question 1"]) == 2 and len(by_prompt["question 2"]) == 2
     assert "question 0" in seen[-1] and "reply 0" in seen[-1] and seen[-1].count("<|im_start|>user") == 2
     assert all(r["generation"]["turns"] == 2 for r in rows.values())
+    # each follow-up is seeded by its own conversation (--seed 0, its id, the turn), not by the rows beside it
+    assert followed == {r["messages"][0]["content"]: D.hash_id(i) + 1 for i, r in rows.items()
+                        if r["messages"][1]["content"] != "reply 1"}
     assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out)]) == 2  # one turn: not mixed in
     assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out), "--turns", "0"]) == 2
