@@ -166,10 +166,9 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                 if temperature > 0:
                     gens[i] = torch.Generator(device=device).manual_seed(int(seeds[i]))
             c, m, pos, logits = prefill(batch)
-            if not _plain_cache(c):  # a cache we cannot splice: generate() batch by batch instead
-                yield from _generate_fallback(model, prompts, [*(i for i in rows if i is not None), *batch,
-                                                               *waiting[::-1]], out, max_new_tokens, stops, pad_id,
-                                              batch_size, temperature, top_p, seeds)
+            if not _plain_cache(c):  # a cache we cannot splice (the first prefill tells): generate() instead
+                yield from _generate_fallback(model, prompts, [*batch, *waiting[::-1]], max_new_tokens, stops,
+                                              pad_id, batch_size, temperature, top_p, seeds)
                 return
             nxt = pick(logits, batch)
             if cache is None:
@@ -207,8 +206,8 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                 out[i].append(t)
 
 
-def _generate_fallback(model, prompts, todo, out, max_new_tokens, stops, pad_id, batch_size, temperature, top_p,
-                       seeds) -> Iterator[tuple[int, list[int], bool]]:
+def _generate_fallback(model, prompts, todo, max_new_tokens, stops, pad_id, batch_size, temperature, top_p, seeds
+                       ) -> Iterator[tuple[int, list[int], bool]]:
     """`model.generate` on batches of `batch_size` of the prompts in `todo` (sampling seeded by each batch's first
     prompt): for caches `decode` cannot splice."""
     stop_set = set(int(t) for t in stops)
@@ -220,9 +219,8 @@ def _generate_fallback(model, prompts, todo, out, max_new_tokens, stops, pad_id,
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if temperature > 0:
             torch.manual_seed(int(seeds[batch[0]]))
-        seqs = model.generate(input_ids=ids, attention_mask=m,
-                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=list(stops), **kw)
+        seqs = model.generate(input_ids=ids, attention_mask=m, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                              eos_token_id=list(stops), **kw)
         for i, row in zip(batch, seqs[:, width:].tolist()):
-            out.pop(i, None)
             stop = next((k for k, t in enumerate(row) if t in stop_set), None)
             yield i, row if stop is None else row[:stop], stop is not None
