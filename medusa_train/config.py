@@ -23,6 +23,8 @@ import yaml
 from .errors import ConfigError
 from .files import is_heads_dir, local_data_files, looks_local
 
+EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")  # medusa_train.eagle3.NORMS: what each does
+
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
 
@@ -105,6 +107,11 @@ class HeadsConfig:
     aux_layers: list[int] = field(default_factory=list)
     """eagle3 only: the target layers it reads (layer i: the input of decoder layer i, as vLLM counts). Empty:
     EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
+    norms: list[str] = field(default_factory=list)
+    """eagle3 only: the optional norms of speculators' trainer (EAGLE-3.1's) the draft layer has, any of
+    `norm_before_fc` (one RMSNorm over the concatenated aux states before fc), `norm_before_residual` (the layer's
+    residual is its normalised input state) and `norm_output` (each step passes on the normalised state its LM head
+    scores). vLLM serves all three; SGLang 0.5 has no norm_before_residual."""
     init_from: str = ""
     """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
     heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
@@ -511,8 +518,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                         f"head): remove {', '.join(other)}")
         need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
              f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
+        unknown = [n for n in h.norms if n not in EAGLE3_NORMS]
+        need(not unknown and len(set(h.norms)) == len(h.norms),
+             f"heads.norms must be distinct names among {', '.join(EAGLE3_NORMS)}, got {h.norms}")
     else:
         need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
+        need(not h.norms, f"heads.norms is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
     if h.init_from:
         need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")

@@ -10,9 +10,10 @@ step, reads the token embedding and a state:
 
 D's first layer takes [input_layernorm(e); hidden_norm(s)] (2d wide) into its q/k/v projections, its residual is s,
 and its rotary position for step k at t is t+1+k (the position of the token it reads). The LM head scores the draft
-vocabulary (the target's rows, frozen). Parameter names, norm placement (norm_before_residual, norm_before_fc,
-fc_norm and norm_output all false) and rotary are speculators 0.9's, so `medusa_train.export --format speculators`
-only renames the vocabulary maps. In our head numbering step k is head k+1.
+vocabulary (the target's rows, frozen). The optional norms of speculators' trainer (EAGLE-3.1's; `NORMS`:
+norm_before_fc, norm_before_residual, norm_output) are the heads' `norms`. Parameter names and rotary are
+speculators 0.9's, so `medusa_train.export --format speculators` only renames the vocabulary maps and writes the
+norm flags. In our head numbering step k is head k+1.
 
 Training (`ttt_states`) runs the K steps over whole sequences, each step reading the previous step's own states,
 with the attention pattern inference sees ("training-time test"). Inference keeps D's keys and values of the
@@ -24,7 +25,7 @@ Transformers' own Llama modules are used for the layer, norms and rotary; the im
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +34,16 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from .config import EAGLE3_NORMS
 from .target import text_config
 
 Cache = tuple[torch.Tensor, torch.Tensor]  # keys, values of committed positions: each [kv_heads, P, head_dim]
+
+
+NORMS = EAGLE3_NORMS
+"""speculators' optional norms (EAGLE-3.1's), as vLLM reads them from the config: `norm_before_fc` normalises the
+concatenated aux states before `fc` (`input_norm`); `norm_before_residual` makes hidden_norm(s) the layer's residual;
+`norm_output` feeds norm(s^k) (what the LM head scores) to step k+1 instead of s^k."""
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -78,11 +86,12 @@ def layer_config(target_config: Any) -> dict[str, Any]:
     return cfg.to_diff_dict()
 
 
-def spec_fields(target_config: Any, aux_layers: list[int] | None = None) -> dict[str, Any]:
-    """The eagle3 fields of a `HeadsSpec` for a target of this config: `aux_layers` (default `default_aux_layers`)
-    and `layer_config`."""
+def spec_fields(target_config: Any, aux_layers: list[int] | None = None, norms: Sequence[str] = ()) -> dict[str, Any]:
+    """The eagle3 fields of a `HeadsSpec` for a target of this config: `aux_layers` (default `default_aux_layers`),
+    `layer_config` and `norms` (in `NORMS` order)."""
     layers = text_config(target_config).num_hidden_layers
-    return {"aux_layers": list(aux_layers or default_aux_layers(layers)), "layer_config": layer_config(target_config)}
+    return {"aux_layers": list(aux_layers or default_aux_layers(layers)), "layer_config": layer_config(target_config),
+            "norms": [n for n in NORMS if n in norms]}
 
 
 def llama_config(layer: dict[str, Any]) -> LlamaConfig:
@@ -91,11 +100,13 @@ def llama_config(layer: dict[str, Any]) -> LlamaConfig:
 
 class Eagle3Layer(LlamaDecoderLayer):
     """The first (and only) draft decoder layer: q/k/v read [input_layernorm(e); hidden_norm(s)] (2d wide) and the
-    residual is s. The attention is written here (the training and tree patterns are not causal); the projections,
-    norms and MLP are Llama's own modules, so the state dict has speculators' names."""
+    residual is s (hidden_norm(s) with `norm_before_residual`). The attention is written here (the training and tree
+    patterns are not causal); the projections, norms and MLP are Llama's own modules, so the state dict has
+    speculators' names."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False):
         super().__init__(config, 0)
+        self.norm_before_residual = norm_before_residual
         d, hd = config.hidden_size, config.head_dim
         self.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         attn = self.self_attn
@@ -117,9 +128,10 @@ class Eagle3Layer(LlamaDecoderLayer):
         return q, k, v
 
     def finish(self, a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """The layer's output from the attention's output a [B, H, T, hd] and the residual s [B, T, d]."""
+        """The layer's output from the attention's output a [B, H, T, hd] and the state s [B, T, d] it read."""
         B, H, T, hd = a.shape
-        x = s + self.self_attn.o_proj(a.transpose(1, 2).reshape(B, T, H * hd))
+        residual = self.hidden_norm(s) if self.norm_before_residual else s
+        x = residual + self.self_attn.o_proj(a.transpose(1, 2).reshape(B, T, H * hd))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,14 +142,21 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class Eagle3Draft(nn.Module):
-    """fc, one Eagle3Layer, the final norm and the LM head over the draft vocabulary (speculators' layout)."""
+    """fc, one Eagle3Layer, the final norm and the LM head over the draft vocabulary (speculators' layout), with the
+    optional `norms` (`NORMS`)."""
 
-    def __init__(self, layer: dict[str, Any], num_aux: int, scored_vocab: int):
+    def __init__(self, layer: dict[str, Any], num_aux: int, scored_vocab: int, norms: tuple[str, ...] = ()):
         super().__init__()
+        unknown = sorted(set(norms) - set(NORMS))
+        if unknown:
+            raise ValueError(f"unknown eagle3 norm {unknown[0]!r}: the choices are {', '.join(NORMS)}")
         config = llama_config(layer)
         d = config.hidden_size
+        self.norms = frozenset(norms)
+        self.input_norm = LlamaRMSNorm(num_aux * d, eps=config.rms_norm_eps) if "norm_before_fc" in norms else None
+        self.norm_output = "norm_output" in norms
         self.fc = nn.Linear(num_aux * d, d, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(config)])
+        self.layers = nn.ModuleList([Eagle3Layer(config, "norm_before_residual" in norms)])
         self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(d, scored_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)  # no parameters; its buffers are not saved
@@ -158,9 +177,17 @@ class Eagle3Draft(nn.Module):
             positions = positions[None]
         return self.rotary_emb(x, positions)
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """g = fc(aux) (fc(input_norm(aux)) with `norm_before_fc`): the state step 0 reads."""
+        return self.fc(aux if self.input_norm is None else self.input_norm(aux))
+
+    def output(self, s: torch.Tensor) -> torch.Tensor:
+        """The state a step passes on from its layer's output s: s, or norm(s) with `norm_output`."""
+        return self.norm(s) if self.norm_output else s
+
     def scoring_input(self, s: torch.Tensor) -> torch.Tensor:
-        """What the LM head reads: norm(s)."""
-        return self.norm(s)
+        """What the LM head reads of a step's state: norm(s) (already applied with `norm_output`)."""
+        return s if self.norm_output else self.norm(s)
 
     # -- training ---------------------------------------------------------------------------------------
 
@@ -170,7 +197,7 @@ class Eagle3Draft(nn.Module):
         those positions) and attends causally to step 0 and to steps 1..k at t alone."""
         B, T, d = embeds.shape
         layer = self.layer
-        s = self.fc(aux)
+        s = self.fuse(aux)
         idx = torch.arange(T, device=s.device)
         causal = idx[:, None] >= idx[None, :]  # [T, T]
         diagonal = idx[:, None] == idx[None, :]
@@ -186,8 +213,8 @@ class Eagle3Draft(nn.Module):
             mask = torch.cat([causal] + [diagonal] * k, dim=1)  # [T, (k+1) T]
             a = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
                                                scale=layer.self_attn.scaling, enable_gqa=True)
-            s = layer.finish(a, s)
-            out.append(self.norm(s))
+            s = self.output(layer.finish(a, s))
+            out.append(self.scoring_input(s))
         return torch.stack(out)
 
     # -- inference --------------------------------------------------------------------------------------
@@ -199,7 +226,7 @@ class Eagle3Draft(nn.Module):
         layer = self.layer
         start = 0 if cache is None else cache[0].shape[1]
         n = aux.shape[0]
-        s = self.fc(aux)[None]  # [1, n, d]
+        s = self.fuse(aux)[None]  # [1, n, d]
         positions = torch.arange(start + 1, start + 1 + n, device=s.device)
         q, k, v = layer.project(e_next[None], s, *self.rotary(s, positions))
         if cache is not None:
@@ -210,8 +237,8 @@ class Eagle3Draft(nn.Module):
             mask = torch.ones(n, start + n, dtype=torch.bool, device=s.device).tril(start)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
                                            scale=layer.self_attn.scaling, enable_gqa=True)
-        out = layer.finish(a, s)
-        return out[0, -1:], (k[0], v[0])
+        out = self.output(layer.finish(a[:, :, -1:], s[:, -1:]))
+        return out[0], (k[0], v[0])
 
     def kv_width(self) -> int:
         layer = self.layer
@@ -238,4 +265,4 @@ class Eagle3Draft(nn.Module):
         P = ck.shape[1]
         a = torch.einsum("mkgp,kpd->mkgd", probs[..., :P], cv) + torch.einsum("mkgj,mjkd->mkgd", probs[..., P:], pv)
         a = a.reshape(M, layer.num_heads, 1, layer.head_dim)
-        return layer.finish(a, s[:, None])[:, 0], k, v
+        return self.output(layer.finish(a, s[:, None]))[:, 0], k, v

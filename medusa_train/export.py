@@ -77,6 +77,7 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
     """config.json as speculators 0.9 writes an Eagle3SpeculatorConfig (the norm flags explicit: vLLM assumes
     norm_before_residual=true when the key is missing)."""
     spec = heads.spec
+    norms = set(spec.norms)
     layer = dict(spec.layer_config)
     layer.setdefault("model_type", "llama")
     return {
@@ -86,9 +87,9 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
         "embed_requires_grad": False,
         "fc_norm": False,
-        "norm_before_fc": False,
-        "norm_before_residual": False,
-        "norm_output": False,
+        "norm_before_fc": "norm_before_fc" in norms,
+        "norm_before_residual": "norm_before_residual" in norms,
+        "norm_output": "norm_output" in norms,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -120,6 +121,62 @@ def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[s
     return state
 
 
+def import_speculators(checkpoint: str | os.PathLike, target: torch.nn.Module, target_name: str = "") -> DraftHeads:
+    """eagle3 heads for `target` from a drafter in speculators' Eagle3 layout (what `speculators train` saves and
+    `--format speculators` writes): the export read backwards, so our engine drafts with an EAGLE-3 drafter trained
+    elsewhere. ExportError for what our layer cannot be (more than one decoder layer, per-layer `fc_norm`, a trained
+    embedding). Attention is full where theirs may use a sliding window (2048 by default): the same below that."""
+    from safetensors.torch import load_file
+
+    from .config import EAGLE3_NORMS
+    from .heads import HeadsSpec
+    from .target import target_fingerprint
+
+    path = Path(checkpoint)
+    files = sorted(path.glob("*.safetensors"))
+    if not (path / "config.json").is_file() or not files:
+        raise ExportError(f"{checkpoint} is not a speculators checkpoint: expected config.json and *.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    kind = config.get("speculators_model_type")
+    if kind is None:
+        raise ExportError(f"{checkpoint} is not a speculators checkpoint: its config.json names no "
+                          "speculators_model_type")
+    if kind != "eagle3":
+        raise ExportError(f"{checkpoint} holds a {kind!r} speculator: only eagle3 drafters import")
+    layer = {k: v for k, v in config["transformer_layer_config"].items()
+             if k not in ("layer_types", "sliding_window", "use_sliding_window", "max_window_layers")}
+    why = [what for what, bad in (("more than one decoder layer", layer.get("num_hidden_layers", 1) != 1),
+                                  ("fc_norm", config.get("fc_norm")),
+                                  ("a trained embedding", config.get("embed_requires_grad"))) if bad]
+    if why:
+        raise ExportError(f"{checkpoint} has {why[0]}, which our eagle3 layer does not: it cannot be imported")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state |= load_file(str(f))
+    norms = [n for n in EAGLE3_NORMS if config.get(n)]
+    aux = list(config["eagle_aux_hidden_state_layer_ids"])
+    d = target.get_input_embeddings().weight.shape[1]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    t2d = state.pop("t2d", None)
+    state.pop("d2t", None)
+    state.pop("embed_tokens.weight", None)
+    draft_ids = torch.nonzero(t2d).flatten() if t2d is not None and int(t2d.sum()) < vocab else None
+    methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
+    spec = HeadsSpec(kind="eagle3", num_heads=int(methods[0].get("speculative_tokens", 3)), hidden_size=d,
+                     vocab_size=vocab, draft_vocab_size=0 if draft_ids is None else len(draft_ids), aux_layers=aux,
+                     layer_config=layer, norms=norms, target_name=target_name,
+                     target_fingerprint=target_fingerprint(target))
+    heads = DraftHeads(spec)
+    missing, unexpected = heads.eagle3.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ExportError(f"{checkpoint}: tensors do not match an eagle3 layer of its config (missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]})")
+    if draft_ids is not None:
+        heads.draft_ids.copy_(draft_ids)
+    return heads
+
+
 def eagle3_files(heads: DraftHeads, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) in the original EAGLE-3 layout, from the speculators tensors of the same heads (without
     the embedding: SGLang shares the target's)."""
@@ -127,7 +184,8 @@ def eagle3_files(heads: DraftHeads, state: dict[str, torch.Tensor]) -> tuple[dic
     config |= {"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
                "draft_vocab_size": heads.spec.scored_vocab,
                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in heads.spec.aux_layers]},
-               "torch_dtype": "float32"}
+               "norm_before_fc": "norm_before_fc" in heads.spec.norms,
+               "norm_output": "norm_output" in heads.spec.norms, "torch_dtype": "float32"}
     renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     return config, renamed
 
@@ -159,6 +217,9 @@ NEEDS = {"speculators": {"kind": "eagle3"}, "eagle3": {"kind": "eagle3"},
 def format_problem(spec, fmt: str) -> str | None:
     """Why heads of this spec do not fit `fmt` (None: they do), naming the recipe keys the format needs."""
     wrong = [k for k, v in NEEDS[fmt].items() if getattr(spec, k) != v]
+    if not wrong and fmt == "eagle3" and "norm_before_residual" in spec.norms:  # SGLang's layer has no such norm
+        return ("the eagle3 format holds heads trained without norm_before_residual in heads.norms (SGLang's draft "
+                "layer has no such norm)")
     if not wrong:
         return None
     keys = " ".join(f"heads.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NEEDS[fmt].items())
@@ -169,6 +230,8 @@ def describe(spec) -> str:
     """The heads' kind and what sets them apart, as recipe keys."""
     extra = [f"heads.{k}={getattr(spec, k)}" for k in ("block", "draft_vocab_size", "context_layers", "layers_per_head")
              if spec.kind != "eagle3" and getattr(spec, k) not in (0, 1, "residual")]
+    if spec.kind == "eagle3" and spec.norms:
+        extra.append(f"heads.norms=[{','.join(spec.norms)}]")
     return f"{spec.kind} heads" + (f" ({', '.join(extra)})" if extra else "")
 
 

@@ -37,7 +37,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,8 @@ class HeadsSpec:
     """eagle3: the target layers whose states it reads (`medusa_train.eagle3.default_aux_layers`)."""
     layer_config: dict[str, Any] = field(default_factory=dict)
     """eagle3: its decoder layer's LlamaConfig (`medusa_train.eagle3.layer_config`)."""
+    norms: list[str] = field(default_factory=list)
+    """eagle3: the optional norms its layer has (`medusa_train.eagle3.NORMS`); none in heads saved before them."""
     target_name: str = ""
     target_fingerprint: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -330,7 +332,7 @@ class DraftHeads(nn.Module):
 
             if not spec.aux_layers or not spec.layer_config:
                 raise ValueError("eagle3 heads need aux_layers and layer_config in their config.json")
-            self.eagle3 = Eagle3Draft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab)
+            self.eagle3 = Eagle3Draft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, tuple(spec.norms))
         else:
             raise ValueError(f"heads.kind must be 'chained', 'parallel' or 'eagle3' and heads.block 'residual' or "
                              f"'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
@@ -347,16 +349,16 @@ class DraftHeads(nn.Module):
     def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
                    own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
                    target_name: str = "", block: str = "residual", context_layers: int = 0,
-                   aux_layers: list[int] | None = None) -> DraftHeads:
+                   aux_layers: list[int] | None = None, norms: Sequence[str] = ()) -> DraftHeads:
         """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's. eagle3 reads the
-        target at `aux_layers` (default: `medusa_train.eagle3.default_aux_layers`)."""
+        target at `aux_layers` (default: `medusa_train.eagle3.default_aux_layers`), with the optional `norms`."""
         emb = target.get_input_embeddings().weight
         out = target.get_output_embeddings().weight
         eagle3: dict[str, Any] = {}
         if kind == "eagle3":
             from .eagle3 import spec_fields
 
-            eagle3 = spec_fields(target.config, aux_layers)
+            eagle3 = spec_fields(target.config, aux_layers, norms)
             if draft_ids is not None:  # ascending, as speculators' t2d mask orders the draft vocabulary
                 draft_ids = torch.sort(draft_ids).values
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],

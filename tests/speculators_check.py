@@ -30,5 +30,6 @@ print(json.dumps({
     "missing": sorted(set(loaded) - set(saved)), "unexpected": sorted(set(saved) - set(loaded)),
     "as_saved": all(torch.equal(saved[k], loaded[k].to(saved[k].dtype)) for k in saved if k in loaded),
     "aux_layers": list(model.config.eagle_aux_hidden_state_layer_ids),
+    "norms": [n for n in ("norm_before_fc", "norm_before_residual", "norm_output") if getattr(model.config, n)],
     "logits": torch.stack(logits).tolist(),
 }))

@@ -56,6 +56,10 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("heads.kind=eagle3 heads.aux_layers=[2,2]", "heads.aux_layers must be distinct layer ids >= 0, got [2, 2]"),
     ("heads.kind=eagle3 heads.aux_layers=3", "heads.aux_layers must be a list, got 3"),
     ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3 only (heads.kind=chained): remove it"),
+    ("heads.kind=eagle3 heads.norms=[norm_after_fc]", "heads.norms must be distinct names among norm_before_fc, "
+     "norm_before_residual, norm_output, got ['norm_after_fc']"),
+    ("heads.kind=eagle3 heads.norms=[norm_output,norm_output]", "heads.norms must be distinct names among"),
+    ("heads.norms=[norm_output]", "heads.norms is for heads.kind=eagle3 only (heads.kind=chained): remove it"),
     ("loss.decay=0", "loss.decay must be in (0, 1], got 0.0"),
     ("data.dataset=/nonexistent/train.jsonl", "data.dataset: file not found: /nonexistent/train.jsonl"),
     ("target.model=/nonexistent/model", "target.model: directory not found: /nonexistent/model"),

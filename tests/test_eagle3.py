@@ -10,7 +10,7 @@ from tiny import tiny_model, tiny_tokenizer
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
 from inference.engine.drafters import DraftContext, Eagle3Drafter
 from medusa_train.config import LossConfig
-from medusa_train.eagle3 import default_aux_layers
+from medusa_train.eagle3 import NORMS, default_aux_layers
 from medusa_train.heads import DraftHeads
 from medusa_train.losses import HeadsObjective
 from medusa_train.target import capture_layers, target_hidden
@@ -56,13 +56,18 @@ def test_default_aux_layers_are_eagle3s_and_distinct_on_shallow_targets():
         assert len(set(ids)) == len(ids) == min(3, n) and all(1 <= i <= n for i in ids), n
 
 
-@pytest.mark.parametrize("arch,steps", [("llama", 4), ("qwen2", 3), ("mistral", 2)])
-def test_training_time_test_states_equal_what_the_drafter_computes_on_the_same_path(arch, steps):
+@pytest.mark.parametrize("arch,steps,norms", [
+    ("llama", 4, ()), ("qwen2", 3, ()), ("mistral", 2, ()),
+    ("llama", 3, ("norm_before_fc",)), ("qwen2", 3, ("norm_before_residual",)), ("mistral", 3, ("norm_output",)),
+    ("llama", 3, NORMS)])
+def test_training_time_test_states_equal_what_the_drafter_computes_on_the_same_path(arch, steps, norms):
     """Step k of the training forward at position t (reading steps 0..k-1's own states) gives, to float64 rounding,
     the logits the drafter computes for the node at depth k on the true path after committing positions <= t, through
-    its committed cache, its packed per-node path and static-tree drafting."""
+    its committed cache, its packed per-node path and static-tree drafting; with each of EAGLE-3.1's norms too."""
     model = float64_model(arch, seed=1)
-    heads = perturbed(DraftHeads.for_target(model, "eagle3", steps, draft_ids=torch.arange(0, 260, 2)), 0).double()
+    heads = DraftHeads.for_target(model, "eagle3", steps, draft_ids=torch.arange(0, 260, 2), norms=norms)
+    assert heads.spec.norms == [n for n in NORMS if n in norms]
+    heads = perturbed(heads, 0).double()
     ids = torch.randint(0, 256, (1, 15), generator=torch.Generator().manual_seed(2))
     feats = target_hidden(model, ids, None, heads.spec.aux_layers)
     embed = model.get_input_embeddings()

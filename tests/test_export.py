@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny import save_tiny
 
-from medusa_train.export import main
+from medusa_train.eagle3 import NORMS
+from medusa_train.export import ExportError, import_speculators, main
 from medusa_train.heads import DraftHeads
 from medusa_train.files import cache_root
 from medusa_train.target import target_hidden
@@ -57,14 +58,12 @@ def speculators_env_vars() -> dict[str, str]:
     return speculators_env(where)
 
 
-@pytest.fixture(scope="module")
-def eagle3_dir(tmp_path_factory):
-    """A tiny Llama target on disk and eagle3 heads for it (perturbed, with a draft vocabulary)."""
-    root = tmp_path_factory.mktemp("export")
+def _eagle3_heads(root: Path, norms: tuple[str, ...] = ()):
+    """A tiny Llama target on disk and eagle3 heads for it (perturbed, with a draft vocabulary, the given norms)."""
     target = save_tiny(root / "target", "llama", layers=6)
     heads = DraftHeads.for_target(target, "eagle3", 3, draft_ids=torch.randperm(260, generator=torch.Generator()
                                                                                   .manual_seed(0))[:48],
-                                  target_name=str(root / "target"))
+                                  target_name=str(root / "target"), norms=norms)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in heads.parameters():
@@ -73,9 +72,21 @@ def eagle3_dir(tmp_path_factory):
     return root, target, heads
 
 
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory):
+    return _eagle3_heads(tmp_path_factory.mktemp("export"))
+
+
+@pytest.fixture(scope="module")
+def eagle3_norms_dir(tmp_path_factory):
+    """The same with every one of EAGLE-3.1's norms (speculators' trainer's defaults)."""
+    return _eagle3_heads(tmp_path_factory.mktemp("export-norms"), NORMS)
+
+
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
-def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, speculators_env_vars, tmp_path):
-    root, target, heads = eagle3_dir
+@pytest.mark.parametrize("heads_fixture", ["eagle3_dir", "eagle3_norms_dir"])
+def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, speculators_env_vars, tmp_path, request):
+    root, target, heads = request.getfixturevalue(heads_fixture)
     assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
     feats = target_hidden(target, ids, None, heads.spec.aux_layers)
@@ -92,6 +103,7 @@ def test_speculators_loads_the_export_and_computes_our_logits(eagle3_dir, specul
     # every tensor we wrote is one of theirs; what they miss is only the verifier's own LM head and norm, which
     # speculators never saves (it rebuilds them from the verifier for training)
     assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
+    assert got["norms"] == heads.spec.norms
     assert got["as_saved"] and got["aux_layers"] == heads.spec.aux_layers
     theirs = torch.tensor(got["logits"])[:, 0]  # [K, T, V_draft]
     for k in range(3):
@@ -143,6 +155,37 @@ def test_speculators_config_holds_what_vllm_reads(eagle3_dir, tmp_path):
     assert sgl_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and sgl_cfg["model_type"] == "llama"
     assert sgl_cfg["draft_vocab_size"] == 48 and sgl_cfg["num_hidden_layers"] == 1 and sgl_cfg["hidden_size"] == 32
     assert sgl_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in heads.spec.aux_layers]
+
+
+@pytest.mark.parametrize("heads_fixture", ["eagle3_dir", "eagle3_norms_dir"])
+def test_a_speculators_drafter_imports_back_into_the_same_heads(heads_fixture, tmp_path, request):
+    """`import_speculators` reads the export backwards: the same norms, aux layers, draft vocabulary and tensors, so
+    the imported heads score exactly what the trained ones score, and the norm flags are written as trained."""
+    root, target, heads = request.getfixturevalue(heads_fixture)
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert [n for n in NORMS if config[n]] == heads.spec.norms and config["fc_norm"] is False
+    back = import_speculators(tmp_path / "out", target, "tiny")
+    for key in ("kind", "num_heads", "hidden_size", "vocab_size", "draft_vocab_size", "aux_layers", "norms"):
+        assert getattr(back.spec, key) == getattr(heads.spec, key), key
+    assert torch.equal(back.draft_ids, heads.draft_ids)
+    mine, theirs = heads.state_dict(), back.state_dict()
+    assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    with torch.no_grad():
+        a, b = heads(feats, ids, target.get_input_embeddings()), back(feats, ids, target.get_input_embeddings())
+    assert torch.equal(a, b)
+    # what our layer cannot be is refused, naming it
+    for key, value, message in (("fc_norm", True, "has fc_norm"), ("embed_requires_grad", True, "trained embedding"),
+                                ("speculators_model_type", "dflash", "only eagle3")):
+        edited = tmp_path / f"edited-{key}"
+        shutil.copytree(tmp_path / "out", edited)
+        (edited / "config.json").write_text(json.dumps(config | {key: value}))
+        with pytest.raises(ExportError, match=message):
+            import_speculators(edited, target)
+    with pytest.raises(ExportError, match="not a speculators checkpoint"):
+        import_speculators(root / "heads", target)
 
 
 def test_medusa_export_computes_our_parallel_heads(tmp_path):

@@ -68,9 +68,9 @@ def _assigned(source: str, cls: str) -> set[str]:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
 
-def sglang_parameters(src: Path) -> set[str]:
-    """LlamaForCausalLMEagle3's parameter names for a draft layer without the optional norms (ours has none), each
-    checked against the attributes its classes set in 0.5.23's source."""
+def sglang_parameters(src: Path, norms: list[str] = ()) -> set[str]:
+    """LlamaForCausalLMEagle3's parameter names for a draft layer with these of the optional norms, each checked
+    against the attributes its classes set in 0.5.23's source."""
     eagle3 = (src / NEEDED[0]).read_text()
     llama = (src / NEEDED[1]).read_text()
     assert {"model", "lm_head"} <= _assigned(eagle3, "LlamaForCausalLMEagle3")
@@ -80,7 +80,11 @@ def sglang_parameters(src: Path) -> set[str]:
     assert {"qkv_proj", "o_proj"} <= _assigned(llama, "LlamaAttention")
     assert {"gate_up_proj", "down_proj"} <= _assigned(llama, "LlamaMLP")
     layer = "model.layers.0."
-    return {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
+    extra = set()
+    if "norm_before_fc" in norms:
+        assert "input_norm" in _assigned(eagle3, "LlamaModel")
+        extra.add("model.input_norm.weight")
+    return extra | {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
             layer + "hidden_norm.weight", layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight",
             layer + "self_attn.qkv_proj.weight", layer + "self_attn.o_proj.weight", layer + "mlp.gate_up_proj.weight",
             layer + "mlp.down_proj.weight"}
@@ -121,7 +125,7 @@ def export(tmp_path_factory):
 
 def check_export(out: Path, heads: DraftHeads, src: Path) -> list[str]:
     """What sglang 0.5.23 would do wrong with this export (empty: nothing)."""
-    params = sglang_parameters(src)
+    params = sglang_parameters(src, heads.spec.norms)
     problems = [f"{n}: skipped by sglang's loader" for n in load_file(str(out / "model.safetensors"))
                 if loaded_as(n, src, params) is None]
     loaded = {loaded_as(n, src, params) for n in load_file(str(out / "model.safetensors"))}
@@ -132,10 +136,33 @@ def check_export(out: Path, heads: DraftHeads, src: Path) -> list[str]:
     # sglang counts an aux layer by the layer whose output it takes: ours (the input of layer i) minus one
     if config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") != [i - 1 for i in heads.spec.aux_layers]:
         problems.append(f"aux layer ids {config.get('eagle_config')} for heads reading {heads.spec.aux_layers}")
-    for flag in ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output"):  # norms our draft layer does not have
+    for flag in ("fc_norm", "use_aux_norm"):  # norms our draft layer never has
         if config.get(flag) or config.get("eagle_config", {}).get(flag):
             problems.append(f"{flag} set")
+    for flag in ("norm_before_fc", "norm_output"):  # read from the config's top level (or eagle_config), as trained
+        if bool(config.get("eagle_config", {}).get(flag, config.get(flag, False))) != (flag in heads.spec.norms):
+            problems.append(f"{flag} is not as trained")
     return problems
+
+
+def test_norms_sglang_has_export_and_the_one_it_lacks_is_refused(tmp_path, sglang_src, capsys):
+    """norm_before_fc and norm_output travel (SGLang reads both, and loads input_norm); SGLang's layer has no
+    norm_before_residual, so heads trained with it do not export to its layout: exit 2, one line."""
+    target = save_tiny(tmp_path / "target", "llama", layers=6)
+    for norms, code in ((["norm_before_fc", "norm_output"], 0), (["norm_before_residual"], 2)):
+        heads = DraftHeads.for_target(target, "eagle3", 3, target_name=str(tmp_path / "target"), norms=norms)
+        name = "-".join(norms)
+        heads.save_pretrained(tmp_path / name)
+        capsys.readouterr()
+        assert export_main([str(tmp_path / name), str(tmp_path / f"{name}-out"), "--format", "eagle3"]) == code
+        if code == 0:
+            assert "input_norm.weight" in load_file(str(tmp_path / f"{name}-out" / "model.safetensors"))
+            assert check_export(tmp_path / f"{name}-out", heads, sglang_src) == []
+        else:
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "without norm_before_residual" in err, err
+            assert err.endswith("(heads.norms=[norm_before_residual]): export them with --format speculators"), err
+            assert not (tmp_path / f"{name}-out").exists()
 
 
 def test_sglang_loads_every_tensor_of_our_eagle3_export(export, sglang_src):
