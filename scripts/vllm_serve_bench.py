@@ -62,7 +62,10 @@ def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="our eagle3 heads exported with --format speculators")
+    p.add_argument("--draft", required=True, nargs="+",
+                   help="eagle3 drafters in speculators' layout (our heads exported with --format speculators)")
+    p.add_argument("--names", nargs="+", default=None, help="a name per --draft for the results (default: eagle3, "
+                   "or the directory names)")
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -71,17 +74,24 @@ def main() -> int:
     args = p.parse_args()
     import vllm
 
+    names = args.names or (["eagle3"] if len(args.draft) == 1 else [d.rstrip("/").split("/")[-1] for d in args.draft])
+    if len(names) != len(args.draft) or len(set(names)) != len(names):
+        p.error("--names needs one distinct name per --draft")
     prompts = json.load(open(args.prompts))
     runs = []
     for batch in args.batches:
         plain = serve(args.target, None, prompts, batch, args.max_tokens, 0)
-        spec = serve(args.target, args.draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
-        same = sum(a == b for a, b in zip(plain.pop("outputs"), spec.pop("outputs")))
-        runs.append({"batch": batch, "plain": plain, "eagle3": spec, "identical_outputs": same,
-                     "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]})
-        print(f"batch {batch}: plain {plain['tokens_per_s']:.1f} tok/s, eagle3 {spec['tokens_per_s']:.1f} tok/s "
-              f"({runs[-1]['speedup']:.2f}x), mean acceptance length {spec['mean_acceptance_length']:.2f}, "
-              f"{same}/{len(prompts)} outputs identical", flush=True)
+        run = {"batch": batch, "plain": plain, "identical": {}, "speedup": {}}
+        for name, draft in zip(names, args.draft):
+            spec = serve(args.target, draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
+            same = sum(a == b for a, b in zip(plain["outputs"], spec.pop("outputs")))
+            run[name] = spec
+            run["identical"][name], run["speedup"][name] = same, spec["tokens_per_s"] / plain["tokens_per_s"]
+            print(f"batch {batch}: plain {plain['tokens_per_s']:.1f} tok/s, {name} {spec['tokens_per_s']:.1f} tok/s "
+                  f"({run['speedup'][name]:.2f}x), mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+                  f"{same}/{len(prompts)} outputs identical", flush=True)
+        plain.pop("outputs")
+        runs.append(run)
     with open(args.out, "w") as f:
         json.dump({"vllm": vllm.__version__, "machine": f"{platform.machine()} {platform.processor()}",
                    "prompts": len(prompts), "max_tokens": args.max_tokens,
