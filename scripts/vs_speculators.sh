@@ -13,7 +13,7 @@
 # The two venvs are made once (scripts/speculators_venv.sh, scripts/vllm_cpu_venv.sh). Writes WORK/result.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${ROWS:?set ROWS to chat JSONL rows (the target's replies)}" "${DATA:?set DATA to the folder holding mt_bench_question.jsonl}"
+: "${ROWS:?set ROWS to chat JSONL rows, replies the target wrote}" "${DATA:?set DATA to the folder holding mt_bench_question.jsonl}"
 WORK=${WORK:-runs/vs-speculators}
 N=${N:-400}
 EPOCHS=${EPOCHS:-3}
@@ -47,18 +47,7 @@ rm -rf "$WORK/theirs"
 THEIRS_CKPT="$WORK/theirs/$((EPOCHS - 1))"
 python scripts/vs_speculators.py import "$THEIRS_CKPT" "$WORK/theirs-heads" --target "$T"
 python -m medusa_train.export "$WORK/ours" "$WORK/ours-export" --format speculators --force
-python - "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json" <<'PY'
-import json
-import sys
-
-from transformers import AutoTokenizer
-
-from inference.bench import load_bench_prompts, render
-
-source, limit, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-tok = AutoTokenizer.from_pretrained(target)
-json.dump([render(tok, t)[0].tolist() for t in load_bench_prompts(source, limit, 1)], open(out, "w"))
-PY
+python scripts/bench_prompts.py "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json"
 LD_PRELOAD="$VLLM/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=2 "$VLLM/bin/python" scripts/vllm_serve_bench.py \
     --target "$T" --draft "$WORK/ours-export" "$THEIRS_CKPT" --names ours speculators --prompts "$WORK/prompts.json" \
     --batches 1 --max-tokens 128 --out "$WORK/vllm.json"

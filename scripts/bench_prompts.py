@@ -1,0 +1,16 @@
+"""The first turns of a benchmark prompt file rendered through the target's chat template, as a JSON list of token
+ids: what `scripts/vllm_serve_bench.py` feeds vLLM, so it and our engine (`inference.bench`) see the same tokens.
+
+    python scripts/bench_prompts.py PROMPTS.jsonl LIMIT TARGET OUT.json
+"""
+
+import json
+import sys
+
+from transformers import AutoTokenizer
+
+from inference.bench import load_bench_prompts, render
+
+source, limit, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+tok = AutoTokenizer.from_pretrained(target)
+json.dump([render(tok, t)[0].tolist() for t in load_bench_prompts(source, limit, 1)], open(out, "w"))
