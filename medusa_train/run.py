@@ -27,7 +27,9 @@ from .metrics import setup_tracking
 from .optim import build_optimizer
 from .preflight import check_before_loading
 from .processes import check_joint_distributed, say_processes, setup_accelerator
-from .target import load_model, load_tokenizer, logit_transform, target_fingerprint
+from .sharding import describe as describe_sharding
+from .sharding import shard_target, target_is_sharded_run
+from .target import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
 from .target_states import TargetStates
 from .tau import tau_prompt_ids
 
@@ -103,7 +105,10 @@ def setup(cfg: Config) -> Run:
             where = cfg.eval.tau_prompts or "the held-out split"
             raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
                               "prompts file")
-    target = load_model(cfg.target, accelerator.device)
+    sharded = target_is_sharded_run()
+    # a sharded target loads on the CPU (each process then keeps its shards on the device)
+    target = load_model(cfg.target, "cpu" if sharded else accelerator.device,
+                        resolve_dtype(cfg.target.dtype, accelerator.device))
     peft = None
     if cfg.target.lora.r:
         check_joint_distributed(accelerator)
@@ -111,6 +116,13 @@ def setup(cfg: Config) -> Run:
         target = peft.get_base_model()  # the same model, with the adapters in its layers
     forward_target = setup_forward_target(cfg, target, accelerator.device)
     heads = setup_heads(cfg, target, train_ds)
+    if sharded:
+        sizes = shard_target(target, accelerator.device)
+        heads.to(accelerator.device)
+        accelerator.print(describe_sharding(sizes))
+        if accelerator.is_main_process and ckpt is None:  # the main process's share, in the run's own record
+            with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+                f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}) + "\n")
     n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
     n_target = sum(p.numel() for p in target.parameters())
     n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
@@ -119,7 +131,7 @@ def setup(cfg: Config) -> Run:
         if peft is not None else f"target frozen ({n_target:,} params)"))
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
                           cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
-                          layers=heads.spec.aux_layers)
+                          layers=heads.spec.aux_layers, lockstep=sharded)
     if states.rows:
         accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 

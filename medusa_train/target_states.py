@@ -52,8 +52,9 @@ class TargetStates:
 
     def __init__(self, target: nn.Module, lm_head: nn.Module, cache: bool = False,
                  directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
-                 rank: int = 0, layers: list[int] | tuple[int, ...] = ()) -> None:
+                 rank: int = 0, layers: list[int] | tuple[int, ...] = (), lockstep: bool = False) -> None:
         self.target, self.lm_head = target, lm_head
+        self.lockstep = lockstep  # a sharded target: every process runs its forward whenever any process must
         self.layers = tuple(layers)  # eagle3: the aux layers read after h_t
         self.cache = cache or bool(directory)
         self.rows: dict[bytes, torch.Tensor] = {}
@@ -124,6 +125,8 @@ class TargetStates:
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, keys: list[bytes], lengths: list[int]) -> torch.Tensor:
         """h from the cache where it can; the target runs on the rows it has not seen only."""
         missing = [b for b, k in enumerate(keys) if k not in self.rows]
+        if self.lockstep and self._any_process_needs_the_target(bool(missing)) and not missing:
+            self.forward(ids[:1, :1], mask[:1, :1])  # takes its part in each sharded layer's all-gather
         if len(missing) == len(keys):
             h = self.forward(ids, mask)
         else:  # new data added to a cached set: the target runs on the new rows only
@@ -143,6 +146,14 @@ class TargetStates:
                 if self.dir is not None:
                     self.new.append(k)
         return h
+
+    def _any_process_needs_the_target(self, here: bool) -> bool:
+        """Whether any process runs the target on this micro-step: one small all-reduce, made only with a sharded
+        target and a cache, where a process that skipped the forward would leave the others waiting in a layer's
+        all-gather."""
+        flag = torch.tensor([float(here)], device=self.lm_head.weight.device)
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item() > 0)
 
     def flush(self) -> None:
         """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
