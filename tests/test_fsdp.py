@@ -131,3 +131,20 @@ def test_what_a_sharded_target_cannot_run_is_refused_in_one_line(ws, tmp_path):
     assert "set eval.tau_every=0" in errors[0]
     assert proc.stdout.strip().splitlines()[-1] == "train.py: exit code 2 (bad input, nothing trained)"
     assert not json.loads((tmp_path / "tau" / "exit_status.json").read_text())["code"] == 0
+
+
+@pytest.mark.parametrize("override, says", [
+    ("target.lora.r=8", "target.lora trains the target's adapters"),
+    ("target.forward_dtype=bfloat16", "keeps a second whole copy of the target"),
+    ("eval.tau_every=5", "set eval.tau_every=0"),
+])
+def test_each_refusal_names_its_key_and_the_fix(ws, override, says):
+    from medusa_train.config import ConfigError
+    from medusa_train.sharding import check_shardable
+    from runs import config
+
+    check_shardable(config(ws, "ok", "data.eval_size=4"), world_size=2)  # the base recipe is fine
+    with pytest.raises(ConfigError, match=says):
+        check_shardable(config(ws, "bad", "data.eval_size=4", override), world_size=2)
+    with pytest.raises(ConfigError, match="with one process: launch with --num_processes 2"):
+        check_shardable(config(ws, "one", "data.eval_size=4"), world_size=1)
