@@ -24,6 +24,9 @@ from .errors import ConfigError
 from .files import is_heads_dir, local_data_files, looks_local
 
 EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")  # medusa_train.eagle3.NORMS: what each does
+# heads.norms: auto for eagle3: the two both engines serve (SGLang has no norm_before_residual); docs/results.md,
+# "Our EAGLE-3 trainer against speculators'", measures them against none and all three
+EAGLE3_DEFAULT_NORMS = ("norm_before_fc", "norm_output")
 
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
@@ -107,16 +110,24 @@ class HeadsConfig:
     aux_layers: list[int] = field(default_factory=list)
     """eagle3 only: the target layers it reads (layer i: the input of decoder layer i, as vLLM counts). Empty:
     EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
-    norms: list[str] = field(default_factory=list)
+    norms: list[str] | Literal["auto"] = "auto"
     """eagle3 only: the optional norms of speculators' trainer (EAGLE-3.1's) the draft layer has, any of
     `norm_before_fc` (one RMSNorm over the concatenated aux states before fc), `norm_before_residual` (the layer's
     residual is its normalised input state) and `norm_output` (each step passes on the normalised state its LM head
-    scores). vLLM serves all three; SGLang 0.5 has no norm_before_residual."""
+    scores); [] for none. vLLM serves all three; SGLang 0.5 has no norm_before_residual. `auto`: norm_before_fc and
+    norm_output for eagle3 (they accept more than none, as much as all three, and both engines serve them); with
+    heads.init_from, the warm-started heads' own."""
     init_from: str = ""
     """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
     heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
     (an error names any that differ); they must have been trained for this target. Not a resume: the
     optimizer, schedule and data order start afresh (resume continues a run)."""
+
+    def eagle3_norms(self) -> list[str]:
+        """`norms` with `auto` resolved for fresh heads: EAGLE3_DEFAULT_NORMS for eagle3, none for other kinds."""
+        if self.norms == "auto":
+            return list(EAGLE3_DEFAULT_NORMS) if self.kind == "eagle3" else []
+        return list(self.norms)
 
     def draft_vocab(self, vocab_size: int) -> int:
         """The draft vocabulary for a target of `vocab_size` tokens (0: the full vocabulary), "auto" resolved."""
@@ -518,12 +529,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                         f"head): remove {', '.join(other)}")
         need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
              f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
-        unknown = [n for n in h.norms if n not in EAGLE3_NORMS]
-        need(not unknown and len(set(h.norms)) == len(h.norms),
-             f"heads.norms must be distinct names among {', '.join(EAGLE3_NORMS)}, got {h.norms}")
+        norms = h.eagle3_norms()
+        unknown = [n for n in norms if n not in EAGLE3_NORMS]
+        need(not unknown and len(set(norms)) == len(norms),
+             f"heads.norms must be distinct names among {', '.join(EAGLE3_NORMS)} (or auto), got {h.norms}")
     else:
         need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
-        need(not h.norms, f"heads.norms is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
+        need(h.norms in ("auto", []), f"heads.norms is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
     if h.init_from:
         need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")

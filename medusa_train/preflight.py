@@ -80,7 +80,7 @@ def head_parameters(cfg: Config, text) -> int:
     if h.kind == "eagle3":
         from .eagle3 import spec_fields
 
-        eagle3 = spec_fields(text, h.aux_layers, h.norms)
+        eagle3 = spec_fields(text, h.aux_layers, h.eagle3_norms())
     spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
                      own_lm_head=h.own_lm_head, draft_vocab_size=h.draft_vocab(text.vocab_size),

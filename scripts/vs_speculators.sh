@@ -8,8 +8,9 @@
 #
 # ROWS: chat JSONL rows, the target's own replies (python -m medusa_train.distill); the first N train both, row N+1 is
 # speculators' validation split (it needs one). DATA holds MT-Bench's mt_bench_question.jsonl. OURS: extra overrides
-# for our trainer (e.g. "heads.norms=[]" for the layer without EAGLE-3.1's norms); THEIRS: extra `speculators train`
-# flags. Theirs runs with its defaults but for what a CPU needs (sdpa attention, the eager loss, one loader worker).
+# for our trainer (e.g. "heads.norms=[]" for the layer without EAGLE-3.1's norms; the default has two of them);
+# THEIRS: extra `speculators train` flags. Theirs runs with its defaults but for what a CPU needs (sdpa attention, the
+# eager loss, one loader worker).
 # The two venvs are made once (scripts/speculators_venv.sh, scripts/vllm_cpu_venv.sh). Writes WORK/result.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -57,7 +57,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("heads.kind=eagle3 heads.aux_layers=3", "heads.aux_layers must be a list, got 3"),
     ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3 only (heads.kind=chained): remove it"),
     ("heads.kind=eagle3 heads.norms=[norm_after_fc]", "heads.norms must be distinct names among norm_before_fc, "
-     "norm_before_residual, norm_output, got ['norm_after_fc']"),
+     "norm_before_residual, norm_output (or auto), got ['norm_after_fc']"),
+    ("heads.kind=eagle3 heads.norms=all", "heads.norms must be list | 'auto', got 'all'"),
     ("heads.kind=eagle3 heads.norms=[norm_output,norm_output]", "heads.norms must be distinct names among"),
     ("heads.norms=[norm_output]", "heads.norms is for heads.kind=eagle3 only (heads.kind=chained): remove it"),
     ("loss.decay=0", "loss.decay must be in (0, 1], got 0.0"),
@@ -136,3 +137,14 @@ def test_the_draft_vocabulary_defaults_to_a_quarter_of_a_large_vocabulary(recipe
         load_config(recipe, ["heads.draft_vocab_size=-1"])
     with pytest.raises(ConfigError, match="heads.draft_vocab_size must be"):
         load_config(recipe, ["heads.draft_vocab_size=most"])
+
+
+def test_eagle3_heads_get_two_norms_unless_the_recipe_says_otherwise(tmp_path):
+    """heads.norms auto: norm_before_fc and norm_output for eagle3 (docs/results.md measures them), none for the other
+    kinds; a list is taken as written, [] for none."""
+    from medusa_train.config import HeadsConfig
+
+    assert HeadsConfig(kind="eagle3").eagle3_norms() == ["norm_before_fc", "norm_output"]
+    assert HeadsConfig(kind="chained").eagle3_norms() == []
+    assert HeadsConfig(kind="eagle3", norms=[]).eagle3_norms() == []
+    assert HeadsConfig(kind="eagle3", norms=["norm_output"]).eagle3_norms() == ["norm_output"]

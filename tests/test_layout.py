@@ -24,9 +24,11 @@ ROOMS = {
                "inference.engine.compiled", "inference.engine.budget", "inference.engine.generator"],
     "training": ["medusa_train.joint", "medusa_train.evaluate", "medusa_train.checkpoints", "medusa_train.preflight",
                  "medusa_train.metrics", "medusa_train.optim", "medusa_train.processes", "medusa_train.divergence",
-                 "medusa_train.tau", "medusa_train.best", "medusa_train.run", "medusa_train.trainer"],
+                 "medusa_train.tau", "medusa_train.best", "medusa_train.sharding", "medusa_train.run",
+                 "medusa_train.trainer"],
     "commands": ["medusa_train.cli", "medusa_train.distill", "medusa_train.export", "medusa_train.prepare",
-                 "medusa_train.demo", "inference.generate"],
+                 "medusa_train.demo", "medusa_train.vllm_states", "medusa_train.vllm_extract",
+                 "medusa_train.vllm_cpu_connector", "inference.generate"],
     "instruments": ["inference.bench", "inference.oracle", "inference.profile_step"],
     "packages": ["medusa_train", "inference", "inference.engine"],
 }

