@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runs import ROOT, read_jsonl, write_text_data
+from runs import ROOT, launch_twice, read_jsonl, write_text_data
 from safetensors.torch import load_file
 
 ENV = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -41,25 +40,12 @@ def ws(tmp_path_factory) -> Path:
 
 
 def fsdp2(ws: Path, out: Path, *args: str, timeout: int = 90) -> subprocess.CompletedProcess:
-    """The documented launch, on 2 CPU processes. Its rendezvous has hung once in many runs (as torchrun's): a hung
-    attempt is killed and tried once more; a second hang (a process left waiting in a collective) fails the test."""
+    """The documented launch, on 2 CPU processes; a hang (a process left waiting in a collective) fails the test."""
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "train.py"), str(ws / "base.yaml"), "train.batch_size=4", *args,
            f"output_dir={out}"]
-    fresh = not out.exists()  # (a resumed run's directory holds the checkpoint it resumes from: kept)
-    for attempt in range(2):
-        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            if attempt == 0 and fresh:
-                shutil.rmtree(out, ignore_errors=True)
-    raise AssertionError(f"the 2-process run hung twice:\n{stderr[-2000:]}")
+    return launch_twice(cmd, out, timeout)
 
 
 def one_process(ws: Path, out: Path, *args: str) -> None:
