@@ -7,11 +7,14 @@
 # Steps per kind give each about five minutes on 2 cores of an AMD EPYC (bfloat16 target): a cached chained or
 # parallel step takes 0.31 s, an eagle3 step 1.07 s, and the first epoch adds the target's forward (~1 s a step);
 # scripts/profile_train_step.py measures them on another machine. Every stage resumes: finished ones are skipped.
+# NORMS: eagle3's heads.norms; [] (the default here) is the layer the documented run had, before eagle3 defaulted to
+# two of EAGLE-3.1's norms; NORMS=auto trains today's default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the directory holding mt_bench_question.jsonl}"
 WORK=${WORK:-runs/kinds}
 STEPS_CHAINED=${STEPS_CHAINED:-760} STEPS_PARALLEL=${STEPS_PARALLEL:-760} STEPS_EAGLE3=${STEPS_EAGLE3:-220}
+NORMS=${NORMS:-[]}
 MTBENCH="$DATA/mt_bench_question.jsonl"
 T=$(python -m medusa_train.prepare)
 mkdir -p "$WORK"
@@ -24,7 +27,8 @@ train() {  # kind steps
     python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
         target.dtype=bfloat16 heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
         train.lr=3e-3 train.batch_size=4 data.max_length=384 train.warmup_steps=$(( $2 / 20 )) train.save_every=0 \
-        eval.every="$2" eval.max_batches=4 eval.tau_every=0 train.log_every=$(( $2 / 20 )) tracking.backend=none output_dir="$out"
+        eval.every="$2" eval.max_batches=4 eval.tau_every=0 train.log_every=$(( $2 / 20 )) tracking.backend=none \
+        heads.norms="$NORMS" output_dir="$out"
     echo "$1: $2 steps trained in $(( SECONDS - t0 )) s" | tee -a "$WORK/train-times.txt"
 }
 train chained "$STEPS_CHAINED"
