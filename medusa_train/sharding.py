@@ -95,8 +95,11 @@ def _bytes(params, local: bool) -> int:
 
 
 def describe(sizes: dict[str, int]) -> str:
-    gib = 2 ** 30
-    return (f"target sharded over {sizes['processes']} processes (FSDP2, one unit per decoder layer): "
-            f"{sizes['here'] / gib:.3f} GiB of its {sizes['whole'] / gib:.3f} GiB held here; decoder layers "
-            f"{sizes['layers_here'] / gib:.3f} of {sizes['layers_whole'] / gib:.3f} GiB, the rest (embedding, final "
-            "norm, LM head) whole on every process")
+    unit, scale = ("GiB", 2 ** 30) if sizes["whole"] >= 2 ** 30 else ("MiB", 2 ** 20)
+
+    def size(key: str) -> str:
+        return f"{sizes[key] / scale:.1f}"
+
+    return (f"target sharded over {sizes['processes']} processes (FSDP2, one unit per decoder layer): {size('here')} "
+            f"of its {size('whole')} {unit} held here; decoder layers {size('layers_here')} of {size('layers_whole')} "
+            f"{unit}, the rest (embedding, final norm, LM head) whole on every process")
