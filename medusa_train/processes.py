@@ -19,10 +19,6 @@ def setup_accelerator(cfg: Config):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
 
-    from .sharding import check_shardable, take_over_fsdp2
-
-    if take_over_fsdp2():  # the target is sharded by us, the heads train under DDP (medusa_train/sharding.py)
-        check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     # Accelerate forms a CPU (gloo) process group under torchrun only when asked for the CPU explicitly
     multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     # the heads' warm-up of joint training leaves the adapters out of the step: DDP must be told

@@ -28,7 +28,7 @@ from .optim import build_optimizer
 from .preflight import check_before_loading
 from .processes import check_joint_distributed, say_processes, setup_accelerator
 from .sharding import describe as describe_sharding
-from .sharding import shard_target, target_is_sharded_run
+from .sharding import check_shardable, shard_target, take_over_fsdp2
 from .target import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
 from .target_states import TargetStates
 from .tau import tau_prompt_ids
@@ -75,6 +75,9 @@ def setup(cfg: Config) -> Run:
     ckpt = resume_checkpoint(cfg)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     check_before_loading(cfg)
+    sharded = take_over_fsdp2()  # the target sharded by us, the heads under DDP (medusa_train/sharding.py)
+    if sharded:
+        check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     accelerator = setup_accelerator(cfg)
     say_processes(accelerator)
     for change in allowed:
@@ -105,7 +108,6 @@ def setup(cfg: Config) -> Run:
             where = cfg.eval.tau_prompts or "the held-out split"
             raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
                               "prompts file")
-    sharded = target_is_sharded_run()
     # a sharded target loads on the CPU (each process then keeps its shards on the device)
     target = load_model(cfg.target, "cpu" if sharded else accelerator.device,
                         resolve_dtype(cfg.target.dtype, accelerator.device))

@@ -39,12 +39,7 @@ def take_over_fsdp2() -> bool:
     if not sharding_requested():
         return False
     os.environ["ACCELERATE_USE_FSDP"] = "false"
-    os.environ["MEDUSA_SHARD_TARGET"] = "1"  # what was asked, for the rest of this process
     return True
-
-
-def target_is_sharded_run() -> bool:
-    return os.environ.get("MEDUSA_SHARD_TARGET") == "1"
 
 
 def check_shardable(cfg: Config, world_size: int) -> None:
