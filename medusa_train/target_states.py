@@ -140,12 +140,15 @@ class TargetStates:
                 rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
                 h[rows, :n] = self.forward(ids[rows, :n], mask[rows, :n]).to(like.dtype)
         for b in missing:
-            k = keys[b]
-            if k not in self.rows:  # a batch may hold the same row twice
-                self.rows[k] = h[b, :lengths[b]].detach().to("cpu", copy=True)
-                if self.dir is not None:
-                    self.new.append(k)
+            if keys[b] not in self.rows:  # a batch may hold the same row twice
+                self.keep(keys[b], h[b, :lengths[b]])
         return h
+
+    def keep(self, key: bytes, h: torch.Tensor) -> None:
+        """Keep one row's states [n, width] (a CPU copy) under its `row_key`; the next flush writes it."""
+        self.rows[key] = h.detach().to("cpu", copy=True)
+        if self.dir is not None:
+            self.new.append(key)
 
     def _any_process_needs_the_target(self, here: bool) -> bool:
         """Whether any process runs the target on this micro-step: one small all-reduce, made only with a sharded

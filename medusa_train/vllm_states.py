@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,6 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
                           "vLLM (scripts/vllm_cpu_venv.sh makes one on a CPU)")
     tokenizer = load_tokenizer(cfg.target)
     train_ds, _, info = build_datasets(cfg, tokenizer)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_model(cfg.target, "cpu")
     forward = setup_forward_target(cfg, target, "cpu")
     heads = setup_heads(cfg, target, train_ds)
@@ -88,24 +88,24 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     layers = vllm_layers(aux, num_layers)
     states = TargetStates(forward, target.get_output_embeddings(), directory=cache_dir,
                           fingerprint=target_fingerprint(target), layers=aux)
-    rows, seen = [], set()
+    rows: dict[bytes, list[int]] = {}  # the rows the cache lacks, by key (a row twice in the data: once)
     for ids in train_ds["input_ids"]:
         key = row_key(torch.tensor(ids))
-        if key not in states.rows and key not in seen:
-            seen.add(key)
-            rows.append(list(ids))
+        if key not in states.rows:
+            rows.setdefault(key, list(ids))
     work = Path(cache_dir) / "vllm-work"
     if rows:
+        keys = list(rows)
         work.mkdir(parents=True, exist_ok=True)
-        (work / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        dtype = str(next(forward.parameters()).dtype).removeprefix("torch.")
+        (work / "rows.jsonl").write_text("".join(json.dumps(rows[k]) + "\n" for k in keys))
+        dtype = next(forward.parameters()).dtype
         out = work / "states"
         cmd = [vllm_python, "-m", "medusa_train.vllm_extract", "--target", str(cfg.target.model), "--rows",
-               str(work / "rows.jsonl"), "--layers", *map(str, layers), "--out", str(out), "--dtype", dtype,
-               "--batch", str(batch), "--tensor-parallel-size", str(tensor_parallel)]
+               str(work / "rows.jsonl"), "--layers", *map(str, layers), "--out", str(out), "--dtype",
+               str(dtype).removeprefix("torch."), "--batch", str(batch), "--tensor-parallel-size", str(tensor_parallel)]
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP, which it asks for
-        if device == "cpu":  # vllm-cpu: its OpenMP, and a KV cache (which holds the states) sized in GiB
+        if not torch.cuda.is_available():  # vllm-cpu: its OpenMP, and a KV cache (which holds the states) in GiB
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             if iomp.exists():
                 env["LD_PRELOAD"] = str(iomp)
@@ -115,17 +115,12 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
         norm = final_norm(forward)
         for part in sorted(out.glob("part-*.safetensors")):
             for name, hs in load_file(str(part)).items():
-                ids = rows[int(name.removeprefix("row"))]
-                key = row_key(torch.tensor(ids))
-                states.rows[key] = rows_to_cache(hs, layers, aux, num_layers, norm,
-                                                 next(forward.parameters()).dtype)
-                states.new.append(key)
-        missing = [r for r in rows if row_key(torch.tensor(r)) not in states.rows]
-        if missing:
-            raise RuntimeError(f"vLLM returned states for {len(rows) - len(missing)} of {len(rows)} rows")
+                states.keep(keys[int(name.removeprefix("row"))],
+                            rows_to_cache(hs, layers, aux, num_layers, norm, dtype))
+        got = sum(k in states.rows for k in keys)
+        if got < len(keys):
+            raise RuntimeError(f"vLLM returned states for {got} of {len(keys)} rows")
         states.flush()
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return {"rows": info["rows"], "new_rows": len(rows), "layers": list(aux), "dir": str(cache_dir)}
 
