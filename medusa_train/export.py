@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .config import EAGLE3_NORMS
 from .errors import ArgumentParser
 from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
 from .heads import DraftHeads, load_spec
@@ -77,7 +78,6 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
     """config.json as speculators 0.9 writes an Eagle3SpeculatorConfig (the norm flags explicit: vLLM assumes
     norm_before_residual=true when the key is missing)."""
     spec = heads.spec
-    norms = set(spec.norms)
     layer = dict(spec.layer_config)
     layer.setdefault("model_type", "llama")
     return {
@@ -87,9 +87,7 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
         "eagle_aux_hidden_state_layer_ids": list(spec.aux_layers),
         "embed_requires_grad": False,
         "fc_norm": False,
-        "norm_before_fc": "norm_before_fc" in norms,
-        "norm_before_residual": "norm_before_residual" in norms,
-        "norm_output": "norm_output" in norms,
+        **norm_flags(spec, EAGLE3_NORMS),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -121,6 +119,12 @@ def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[s
     return state
 
 
+def norm_flags(spec, names: tuple[str, ...]) -> dict[str, bool]:
+    """The config flags for the eagle3 norms `names` a format reads, each written explicitly (true: trained with it):
+    a missing flag would be the engine's default, not what the heads compute."""
+    return {name: name in spec.norms for name in names}
+
+
 def import_speculators(checkpoint: str | os.PathLike, target: torch.nn.Module, target_name: str = "") -> DraftHeads:
     """eagle3 heads for `target` from a drafter in speculators' Eagle3 layout (what `speculators train` saves and
     `--format speculators` writes): the export read backwards, so our engine drafts with an EAGLE-3 drafter trained
@@ -128,7 +132,6 @@ def import_speculators(checkpoint: str | os.PathLike, target: torch.nn.Module, t
     embedding). Attention is full where theirs may use a sliding window (2048 by default): the same below that."""
     from safetensors.torch import load_file
 
-    from .config import EAGLE3_NORMS
     from .heads import HeadsSpec
     from .target import target_fingerprint
 
@@ -184,8 +187,7 @@ def eagle3_files(heads: DraftHeads, state: dict[str, torch.Tensor]) -> tuple[dic
     config |= {"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
                "draft_vocab_size": heads.spec.scored_vocab,
                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in heads.spec.aux_layers]},
-               "norm_before_fc": "norm_before_fc" in heads.spec.norms,
-               "norm_output": "norm_output" in heads.spec.norms, "torch_dtype": "float32"}
+               **norm_flags(heads.spec, ("norm_before_fc", "norm_output")), "torch_dtype": "float32"}
     renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     return config, renamed
 
