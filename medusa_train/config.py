@@ -23,6 +23,7 @@ import yaml
 from .errors import ConfigError
 from .files import is_heads_dir, local_data_files, looks_local
 
+DFLASH_ANCHORS = 64  # dflash blocks per row per step: docs/results.md, "The dflash kind"
 EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")  # medusa_train.eagle3.NORMS: what each does
 # heads.norms: auto for eagle3: the two both engines serve (SGLang has no norm_before_residual); docs/results.md,
 # "Our EAGLE-3 trainer against speculators'", measures them against none and all three
@@ -79,15 +80,19 @@ class TargetConfig:
 
 @dataclass
 class HeadsConfig:
-    kind: Literal["chained", "parallel", "eagle3"] = "chained"
+    kind: Literal["chained", "parallel", "eagle3", "dflash"] = "chained"
     """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (`heads.block` says how).
     `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline). `eagle3`: EAGLE-3's
     draft layer (three target layers fused, one decoder layer applied num_heads times with its own attention, its
-    own LM head over the draft vocabulary), the kind vLLM and SGLang serve (`python -m medusa_train.export`)."""
+    own LM head over the draft vocabulary), the kind vLLM and SGLang serve (`python -m medusa_train.export`).
+    `dflash`: DFlash's block drafter (the target's layers fused as context, `layers_per_head` small decoder layers over
+    a block of the decided token and num_heads mask tokens, non-causal: one forward drafts every depth), which vLLM
+    and SGLang serve too."""
     num_heads: int = 4
-    """K: head k predicts token x_{t+1+k}."""
+    """K: head k predicts token x_{t+1+k}. dflash: the mask tokens of its block, whose size (speculators'
+    `block_size`) is num_heads + 1: block_size 8 is num_heads 7."""
     layers_per_head: int = 1
-    """Blocks per head (the mlp_speculator export needs 1)."""
+    """Blocks per head (the mlp_speculator export needs 1). dflash: its decoder layers."""
     block: Literal["residual", "mlp_speculator"] = "residual"
     """Chained block. `residual`: s_k = s_{k-1} + silu(W [s_{k-1}; embed(x)] + b), zero-initialised so a head
     starts as the target's own guess (learns fastest with the target's frozen LM head). `mlp_speculator`:
@@ -108,8 +113,15 @@ class HeadsConfig:
     committed position's (h_j, embed(x_{j+1})) give c_t, and the heads start from s_0 = h_t + c_t instead
     of h_t alone (at inference the drafter keeps its own KV cache). 0: heads read h_t only."""
     aux_layers: list[int] = field(default_factory=list)
-    """eagle3 only: the target layers it reads (layer i: the input of decoder layer i, as vLLM counts). Empty:
-    EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
+    """eagle3 and dflash only: the target layers they read (layer i: the input of decoder layer i, as vLLM counts for
+    eagle3 and speculators' dflash configs). Empty: EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
+    mask_token_id: int | None = None
+    """dflash only: the token whose embedding (the target's, frozen) fills the block's mask slots. None: the
+    tokenizer's mask token, else the first embedding row no token uses, else its pad, EOS or unknown token (the
+    order of speculators' trainer)."""
+    anchors: int | None = None
+    """dflash only: blocks trained per row per step, at random positions with a supervised next-but-one token,
+    redrawn every step (DFlash's random anchors); 0: a block after every position. None: DFLASH_ANCHORS."""
     norms: list[str] | Literal["auto"] = "auto"
     """eagle3 only: the optional norms of speculators' trainer (EAGLE-3.1's) the draft layer has, any of
     `norm_before_fc` (one RMSNorm over the concatenated aux states before fc), `norm_before_residual` (the layer's
@@ -122,6 +134,10 @@ class HeadsConfig:
     heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
     (an error names any that differ); they must have been trained for this target. Not a resume: the
     optimizer, schedule and data order start afresh (resume continues a run)."""
+
+    def dflash_anchors(self) -> int:
+        """`anchors` resolved: blocks per row per step for dflash heads (0: every position)."""
+        return DFLASH_ANCHORS if self.anchors is None else self.anchors
 
     def eagle3_norms(self) -> list[str]:
         """`norms` with `auto` resolved for fresh heads: EAGLE3_DEFAULT_NORMS for eagle3, none for other kinds."""
@@ -533,9 +549,24 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         unknown = [n for n in norms if n not in EAGLE3_NORMS]
         need(not unknown and len(set(norms)) == len(norms),
              f"heads.norms must be distinct names among {', '.join(EAGLE3_NORMS)} (or auto), got {h.norms}")
-    else:
-        need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
+    elif h.kind == "dflash":
+        other = [f"heads.{k}={getattr(h, k)!r}" for k, default in (
+            ("block", "residual"), ("own_embed", False), ("own_lm_head", False), ("context_layers", 0))
+            if getattr(h, k) != default]
+        need(not other, f"heads.kind=dflash has its own layout (decoder layers over a block, the target's embedding, "
+                        f"its own LM head): remove {', '.join(other)}")
+        need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
+             f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
+        need(h.norms in ("auto", []), "heads.norms is for heads.kind=eagle3 only (heads.kind=dflash): remove it")
+        need(h.mask_token_id is None or h.mask_token_id >= 0,
+             f"heads.mask_token_id must be a token id >= 0 (unset: the tokenizer chooses), got {h.mask_token_id}")
+        need(h.dflash_anchors() >= 0, f"heads.anchors must be >= 0 (0: a block after every position), got {h.anchors}")
+    if h.kind not in ("eagle3", "dflash"):
+        need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 or dflash (heads.kind={h.kind}): remove it")
         need(h.norms in ("auto", []), f"heads.norms is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
+    if h.kind != "dflash":
+        for key in ("mask_token_id", "anchors"):
+            need(getattr(h, key) is None, f"heads.{key} is for heads.kind=dflash only (heads.kind={h.kind}): remove it")
     if h.init_from:
         need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")

@@ -19,6 +19,10 @@ x_{t+1+k}. In code heads are indexed 0-based (`k = 0..K-1` is head k+1).
 - eagle3: EAGLE-3's draft layer (`medusa_train.eagle3`): the target's states at three layers fused by `fc`, one
   decoder layer applied step after step with its own KV cache, a final norm and its own LM head over the draft
   vocabulary; exported in speculators' format for vLLM and SGLang (`medusa_train.export`).
+- dflash: DFlash's block drafter (`medusa_train.dflash`): the target's states at a few layers fused by `fc` as
+  context, a few small decoder layers over a block of the anchor token and K mask tokens (non-causal within the
+  block), one forward giving every depth's distribution; its own LM head over the draft vocabulary; exported in
+  speculators' format for vLLM and SGLang.
 - context (`heads.context_layers` > 0, EAGLE-style): the heads also see the whole committed context, not
   only h_t. At every position j a small causal transformer reads u_j = W [h_j; embed(x_{j+1})] (the
   target's state and the token it chose next) and gives c_t; the chain then starts from
@@ -58,7 +62,7 @@ class HeadsMismatchError(ValueError):
 class HeadsSpec:
     """Everything needed to rebuild the heads; saved as `config.json` next to the weights."""
 
-    kind: Literal["chained", "parallel", "eagle3"]
+    kind: Literal["chained", "parallel", "eagle3", "dflash"]
     num_heads: int
     hidden_size: int
     vocab_size: int
@@ -69,9 +73,12 @@ class HeadsSpec:
     draft_vocab_size: int = 0
     context_layers: int = 0
     aux_layers: list[int] = field(default_factory=list)
-    """eagle3: the target layers whose states it reads (`medusa_train.eagle3.default_aux_layers`)."""
+    """eagle3, dflash: the target layers whose states it reads (`medusa_train.eagle3.default_aux_layers`)."""
     layer_config: dict[str, Any] = field(default_factory=dict)
-    """eagle3: its decoder layer's LlamaConfig (`medusa_train.eagle3.layer_config`)."""
+    """eagle3: its decoder layer's LlamaConfig (`medusa_train.eagle3.layer_config`); dflash: its layers' Qwen3Config
+    (`medusa_train.dflash.layer_config`)."""
+    mask_token_id: int = -1
+    """dflash: the token whose (target's, frozen) embedding fills the block's K mask slots."""
     norms: list[str] = field(default_factory=list)
     """eagle3: the optional norms its layer has (`medusa_train.eagle3.NORMS`); none in heads saved before them."""
     target_name: str = ""
@@ -333,9 +340,16 @@ class DraftHeads(nn.Module):
             if not spec.aux_layers or not spec.layer_config:
                 raise ValueError("eagle3 heads need aux_layers and layer_config in their config.json")
             self.eagle3 = Eagle3Draft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, tuple(spec.norms))
+        elif spec.kind == "dflash":
+            from .dflash import DFlashDraft
+
+            if not spec.aux_layers or not spec.layer_config or spec.mask_token_id < 0:
+                raise ValueError("dflash heads need aux_layers, layer_config and mask_token_id in their config.json")
+            self.dflash = DFlashDraft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, K,
+                                      spec.mask_token_id)
         else:
-            raise ValueError(f"heads.kind must be 'chained', 'parallel' or 'eagle3' and heads.block 'residual' or "
-                             f"'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
+            raise ValueError(f"heads.kind must be 'chained', 'parallel', 'eagle3' or 'dflash' and heads.block "
+                             f"'residual' or 'mlp_speculator', got {spec.kind!r} / {spec.block!r}")
         self.context = ContextEncoder(d, spec.context_layers) if spec.context_layers else None
         self.embed = nn.Embedding(spec.vocab_size, d) if spec.own_embed else None
         self.lm_heads = (nn.ModuleList(nn.Linear(d, spec.scored_vocab, bias=False) for _ in range(K))
@@ -349,33 +363,45 @@ class DraftHeads(nn.Module):
     def for_target(cls, target: nn.Module, kind: str = "chained", num_heads: int = 4, layers_per_head: int = 1,
                    own_embed: bool = False, own_lm_head: bool = False, draft_ids: torch.Tensor | None = None,
                    target_name: str = "", block: str = "residual", context_layers: int = 0,
-                   aux_layers: list[int] | None = None, norms: Sequence[str] = ()) -> DraftHeads:
-        """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's. eagle3 reads the
-        target at `aux_layers` (default: `medusa_train.eagle3.default_aux_layers`), with the optional `norms`."""
+                   aux_layers: list[int] | None = None, norms: Sequence[str] = (), mask_token_id: int | None = None
+                   ) -> DraftHeads:
+        """Fresh heads sized for `target`; owned embed / LM heads start as copies of the target's. eagle3 and dflash
+        read the target at `aux_layers` (default: `medusa_train.eagle3.default_aux_layers`); eagle3 has the optional
+        `norms`; dflash has `layers_per_head` decoder layers and fills its block with `mask_token_id`."""
         emb = target.get_input_embeddings().weight
         out = target.get_output_embeddings().weight
-        eagle3: dict[str, Any] = {}
+        reader: dict[str, Any] = {}  # the spec fields of heads that read the target's layers
         if kind == "eagle3":
             from .eagle3 import spec_fields
 
-            eagle3 = spec_fields(target.config, aux_layers, norms)
+            reader = spec_fields(target.config, aux_layers, norms)
+        elif kind == "dflash":
+            from .dflash import spec_fields as dflash_fields
+
+            if mask_token_id is None:  # the trainer resolves it from the tokenizer (`medusa_train.dflash`)
+                mask_token_id = next((i for i in (getattr(target.config, "pad_token_id", None),
+                                                  getattr(target.config, "eos_token_id", None))
+                                      if isinstance(i, int)), out.shape[0] - 1)
+            reader = dflash_fields(target.config, layers_per_head, aux_layers, mask_token_id)
+        if kind in ("eagle3", "dflash"):
             if draft_ids is not None:  # ascending, as speculators' t2d mask orders the draft vocabulary
                 draft_ids = torch.sort(draft_ids).values
         spec = HeadsSpec(kind=kind, num_heads=num_heads, hidden_size=emb.shape[1], vocab_size=out.shape[0],
                          layers_per_head=layers_per_head, block=block, own_embed=own_embed, own_lm_head=own_lm_head,
                          draft_vocab_size=0 if draft_ids is None else len(draft_ids),
                          context_layers=context_layers, target_name=target_name,
-                         target_fingerprint=target_fingerprint(target), **eagle3)
+                         target_fingerprint=target_fingerprint(target), **reader)
         heads = cls(spec)
         with torch.no_grad():
             if draft_ids is not None:
                 heads.draft_ids.copy_(draft_ids)
-            if kind == "eagle3":  # its LM head starts as the target's rows, its norm as the target's final norm
+            if kind in ("eagle3", "dflash"):  # its LM head starts as the target's rows, its norm as the target's final
+                draft = heads.eagle3 if kind == "eagle3" else heads.dflash
                 rows = out.float() if draft_ids is None else out.float()[draft_ids.to(out.device)]
-                heads.eagle3.lm_head.weight.copy_(rows)
+                draft.lm_head.weight.copy_(rows)
                 norm = getattr(decoder(target), "norm", None)
                 if isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.shape == (emb.shape[1],):
-                    heads.eagle3.norm.weight.copy_(norm.weight.float())
+                    draft.norm.weight.copy_(norm.weight.float())
             if heads.embed is not None:
                 heads.embed.weight.copy_(emb.float())
             if heads.lm_heads is not None:
@@ -415,6 +441,9 @@ class DraftHeads(nn.Module):
         if self.spec.kind == "eagle3":  # h: the features [B, T, (1 + A) d]; the chain reads the aux layers
             e = self.embed_tokens(input_ids, embed).to(h.dtype)
             return self.eagle3.ttt_states(h[..., self.spec.hidden_size:], e, self.spec.num_heads)
+        if self.spec.kind == "dflash":  # every position is an anchor (evaluation); training draws some
+            B, T = input_ids.shape
+            return self.dflash_states(h, input_ids, torch.arange(T, device=h.device).expand(B, T), None, embed)
         s0 = self.start(h)
         chained = self.spec.kind == "chained"
         if chained or self.context is not None:  # plain parallel heads read no tokens
@@ -431,6 +460,15 @@ class DraftHeads(nn.Module):
             states.append(s)
         return torch.stack(states)
 
+    def dflash_states(self, h: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                      attention_mask: torch.Tensor | None, embed: nn.Module | None = None) -> torch.Tensor:
+        """dflash: the block slots' states [K, B, N, d] for the blocks after positions `anchors` [B, N] (slot k+1 of
+        the block after t, head k's state at t, guesses x_{t+2+k}); h the target's features [B, T, feature_size]."""
+        ids = input_ids.gather(1, (anchors + 1).clamp_max(input_ids.shape[1] - 1))  # the anchor tokens x_{t+1}
+        e = self.embed_tokens(ids, embed).to(h.dtype)
+        mask = self.embed_tokens(torch.tensor([self.spec.mask_token_id], device=h.device), embed)[0]
+        return self.dflash.anchored_states(h[..., self.spec.hidden_size:], e, mask, anchors, attention_mask)
+
     def scoring_weight(self, k: int, lm_head: nn.Module | None = None) -> torch.Tensor:
         """The [V_scored, d] matrix head k's logits come from: its own LM head, or the target's (rows of the
         draft vocabulary if set). Callers that score often may gather it once and keep it."""
@@ -438,6 +476,8 @@ class DraftHeads(nn.Module):
             return self.lm_heads[k].weight
         if self.spec.kind == "eagle3":
             return self.eagle3.lm_head.weight
+        if self.spec.kind == "dflash":
+            return self.dflash.lm_head.weight
         if lm_head is None:
             raise ValueError("these heads use the target's LM head: pass lm_head=target.get_output_embeddings()")
         return lm_head.weight[self.draft_ids] if self.spec.draft_vocab_size else lm_head.weight
@@ -445,7 +485,7 @@ class DraftHeads(nn.Module):
     @property
     def owns_lm_head(self) -> bool:
         """Whether the heads score with LM heads of their own (else the target's, passed in at call time)."""
-        return self.lm_heads is not None or self.spec.kind == "eagle3"
+        return self.lm_heads is not None or self.spec.kind in ("eagle3", "dflash")
 
     def logits(self, k: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Head k's logits over the scored vocabulary (the draft vocab if set): [..., V_draft]."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .config import LossConfig
+from .dflash import sample_anchors
 from .heads import DraftHeads
 from .target import LogitTransform
 
@@ -207,25 +208,80 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
             del teacher
         teacher_top = greedy_next[:, a:b + K - 1]  # the target's greedy token (a target id), for the accuracies
         for k in range(K):
-            w = weights[k]
-            s = states[k, :, a:b].reshape(B * c, d).to(w.dtype)
             p_k = None if teacher_logp is None else teacher_logp[:, k:k + c].reshape(B * c, -1)
-            head_loss, kl, ce, top5 = FusedHeadLoss.apply(
-                s, w, p_k, target_idx[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
-                cfg.distill_weight, cfg.ce_weight, transform)
-            loss = loss + head_loss
-            with torch.no_grad():  # accuracies as target ids, kept on device
-                mask = valid[k, :, a:b].reshape(-1).float()
-                top5 = heads.to_target_ids(top5)
-                greedy_k = teacher_top[:, k:k + c].reshape(-1, 1)
-                data = target_ids[k, :, a:b].reshape(-1, 1)
-                in_vocab = target_idx[k, :, a:b].reshape(-1) >= 0
-                stats[k] += torch.stack([
-                    mask.sum(), kl, ce,
-                    ((top5[:, :1] == greedy_k).any(-1) * mask).sum(), ((top5 == greedy_k).any(-1) * mask).sum(),
-                    ((top5[:, :1] == data).any(-1) * mask).sum(), ((top5 == data).any(-1) * mask).sum(),
-                    (~in_vocab * mask).sum(),
-                ]).float()
+            loss = loss + _head_chunk(heads, k, states[k, :, a:b].reshape(B * c, d), weights[k], p_k,
+                                      target_ids[k, :, a:b].reshape(-1), target_idx[k, :, a:b].reshape(-1),
+                                      valid[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
+                                      teacher_top[:, k:k + c].reshape(-1), cfg, transform, stats)
+    return loss, stats
+
+
+def _head_chunk(heads: DraftHeads, k: int, s: torch.Tensor, w: torch.Tensor, teacher_logp: torch.Tensor | None,
+                target_ids: torch.Tensor, target_idx: torch.Tensor, valid: torch.Tensor, pos_weight: torch.Tensor,
+                greedy: torch.Tensor, cfg: LossConfig, transform: LogitTransform | None, stats: torch.Tensor
+                ) -> torch.Tensor:
+    """Head k's loss over n positions (states s [n, d], scored by w; the teacher's log-probabilities, data tokens,
+    their scored-vocabulary indices, validity, weights and the target's greedy tokens, each [n, ...]); its statistics
+    are added to stats[k]."""
+    head_loss, kl, ce, top5 = FusedHeadLoss.apply(s.to(w.dtype), w, teacher_logp, target_idx, pos_weight,
+                                                  cfg.distill_weight, cfg.ce_weight, transform)
+    with torch.no_grad():  # accuracies as target ids, kept on device
+        mask = valid.float()
+        top5 = heads.to_target_ids(top5)
+        greedy, data = greedy[:, None], target_ids[:, None]
+        stats[k] += torch.stack([
+            mask.sum(), kl, ce,
+            ((top5[:, :1] == greedy).any(-1) * mask).sum(), ((top5 == greedy).any(-1) * mask).sum(),
+            ((top5[:, :1] == data).any(-1) * mask).sum(), ((top5 == data).any(-1) * mask).sum(),
+            (~(target_idx >= 0) * mask).sum(),
+        ]).float()
+    return head_loss
+
+
+def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+                         h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                         attention_mask: torch.Tensor | None, lm_head: nn.Module, cfg: LossConfig,
+                         transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_head_losses` for states at some positions only: states [K, B, N, d] at positions `anchors` [B, N]
+    (`anchor_valid` marks real ones), as dflash trains (`medusa_train.dflash`). Head k at position t is scored as
+    there (data token x_{t+2+k}, the target's distribution at t+1+k, weight decay**k over its supervised positions);
+    the teacher's logits (`lm_head`, the target's) are computed per head at the positions it reads. The heads own
+    their LM head."""
+    K, B, N, d = states.shape
+    T = input_ids.shape[1]
+    ids_k, valid_k = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]: head k at t
+    gather = anchors[None].expand(K, B, N)
+    target_ids = ids_k.gather(2, gather)  # [K, B, N]
+    valid = valid_k.gather(2, gather) & anchor_valid[None]
+    target_idx = draft_index(heads, target_ids)
+    counts = valid.sum(dim=(1, 2)).float()
+    decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
+    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)
+    teacher_at = (anchors[None] + 1 + torch.arange(K, device=anchors.device).view(K, 1, 1)).clamp_max(T - 1)
+    teacher_w = teacher_b = None
+    if heads.spec.draft_vocab_size:  # the teacher's rows: the target's LM head over the draft vocabulary, gathered once
+        teacher_w = lm_head.weight[heads.draft_ids]
+        teacher_b = None if getattr(lm_head, "bias", None) is None else lm_head.bias[heads.draft_ids]
+    step = chunk_positions(cfg.chunk_size, B, heads.spec.scored_vocab, states.device)
+    loss = states.new_zeros((), dtype=torch.float32)
+    stats = torch.zeros(K, len(STATS), device=states.device)
+    for k in range(K):
+        for a in range(0, N, step):
+            b = min(a + step, N)
+            at = teacher_at[k, :, a:b]  # [B, c]
+            teacher_logp = None
+            if cfg.distill_weight > 0:
+                hk = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))
+                teacher = teacher_logits(lm_head, hk, teacher_w, teacher_b)
+                if transform is not None and not transform.identity:
+                    teacher = transform(teacher)
+                teacher_logp = torch.log_softmax(teacher, dim=-1).reshape(-1, teacher.shape[-1])
+                del teacher
+            loss = loss + _head_chunk(heads, k, states[k, :, a:b].reshape(-1, d), heads.scoring_weight(k),
+                                      teacher_logp, target_ids[k, :, a:b].reshape(-1),
+                                      target_idx[k, :, a:b].reshape(-1), valid[k, :, a:b].reshape(-1),
+                                      pos_weight[k, :, a:b].reshape(-1), greedy.gather(1, at).reshape(-1), cfg,
+                                      transform, stats)
     return loss, stats
 
 
@@ -237,11 +293,13 @@ class HeadsObjective(nn.Module):
     checkpoints and optimizers hold head parameters only.
     """
 
-    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None):
+    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None,
+                 anchors: int = 0):
         super().__init__()
         self.heads = heads
         self.cfg = cfg
         self.transform = transform  # the target's final-logit transform (None: the identity)
+        self.anchors = anchors  # dflash: blocks drawn per row per step (0: every position's)
 
     def forward(self, h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
@@ -250,6 +308,14 @@ class HeadsObjective(nn.Module):
         target greedy tokens are `greedy` [B, T] (`TargetStates`). For heads that read more of the target (eagle3),
         h is its features [B, T, feature_size], h_t first."""
         dtype = next(self.heads.parameters()).dtype
+        if self.heads.spec.kind == "dflash" and self.anchors:  # random blocks per row, redrawn every step
+            supervised = labels != IGNORE
+            if attention_mask is not None:
+                supervised &= attention_mask.bool()
+            anchors, anchor_valid = sample_anchors(supervised, self.anchors)
+            states = self.heads.dflash_states(h.to(dtype), input_ids, anchors, attention_mask, embed)
+            return anchored_head_losses(self.heads, states, anchors, anchor_valid, h[..., :self.heads.spec.hidden_size],
+                                        greedy, input_ids, labels, attention_mask, lm_head, self.cfg, self.transform)
         states = self.heads(h.to(dtype), input_ids, embed)  # [K, B, T, d]
         h = h[..., :self.heads.spec.hidden_size]  # the teacher reads h_t
         return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,

@@ -60,14 +60,14 @@ def check_target_supported(cfg: Config, config) -> None:
         raise ConfigError(f"target.model={cfg.target.model}: {model_type}: {reason}; the engine cannot generate with "
                           "heads for it, so nothing was trained: pick another target (docs/architectures.md lists "
                           "them)")
-    if cfg.heads.kind == "eagle3":
+    if cfg.heads.kind in ("eagle3", "dflash"):
         from transformers import AutoModelForCausalLM
 
         try:
             with torch.device("meta"):  # the module tree without memory: where its decoder layers are
                 decoder_layers(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.target.trust_remote_code))
         except ValueError as e:
-            raise ConfigError(f"heads.kind=eagle3: {e}; use heads.kind=chained for this target") from None
+            raise ConfigError(f"heads.kind={cfg.heads.kind}: {e}; use heads.kind=chained for this target") from None
 
 
 def head_parameters(cfg: Config, text) -> int:
@@ -81,6 +81,10 @@ def head_parameters(cfg: Config, text) -> int:
         from .eagle3 import spec_fields
 
         eagle3 = spec_fields(text, h.aux_layers, h.eagle3_norms())
+    elif h.kind == "dflash":
+        from .dflash import spec_fields as dflash_fields
+
+        eagle3 = dflash_fields(text, h.layers_per_head, h.aux_layers, 0)  # the mask token does not change the size
     spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      layers_per_head=h.layers_per_head, block=h.block, own_embed=h.own_embed,
                      own_lm_head=h.own_lm_head, draft_vocab_size=h.draft_vocab(text.vocab_size),

@@ -117,7 +117,7 @@ def setup(cfg: Config) -> Run:
         peft = add_lora(target, cfg.target.lora)
         target = peft.get_base_model()  # the same model, with the adapters in its layers
     forward_target = setup_forward_target(cfg, target, accelerator.device)
-    heads = setup_heads(cfg, target, train_ds)
+    heads = setup_heads(cfg, target, train_ds, tokenizer)
     if sharded:
         sizes = shard_target(target, accelerator.device)
         heads.to(accelerator.device)
@@ -137,10 +137,7 @@ def setup(cfg: Config) -> Run:
     if states.rows:
         accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 
-    if peft is None:
-        objective = HeadsObjective(heads, cfg.loss, logit_transform(target.config))
-    else:
-        objective = JointObjective(heads, peft, cfg.loss)
+    objective = make_objective(cfg, heads, target, peft)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
@@ -158,6 +155,15 @@ def setup(cfg: Config) -> Run:
     return run
 
 
+def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None) -> torch.nn.Module:
+    """What a training step runs: the heads and their loss (`HeadsObjective`; dflash drawing `heads.anchors` blocks
+    a row), or with `peft` the adapted target too (`JointObjective`)."""
+    if peft is not None:
+        return JointObjective(heads, peft, cfg.loss)
+    return HeadsObjective(heads, cfg.loss, logit_transform(target.config),
+                          anchors=cfg.heads.dflash_anchors() if heads.spec.kind == "dflash" else 0)
+
+
 def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
     """The measure the run keeps its best heads by, and (resumed) the best up to the checkpoint."""
     cfg, accelerator = run.cfg, run.accelerator
@@ -170,11 +176,24 @@ def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
                           f"{run.best.value:.3f})")
 
 
-def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
-    """Fresh heads for `target` per `cfg.heads` (a draft vocabulary drawn from `train_ds`), or warm-started ones."""
+def setup_heads(cfg: Config, target: torch.nn.Module, train_ds, tokenizer) -> DraftHeads:
+    """Fresh heads for `target` per `cfg.heads` (a draft vocabulary drawn from `train_ds`; dflash's mask token from
+    the recipe or `tokenizer`), or warm-started ones."""
     h = cfg.heads
     if h.init_from:
         return _warm_start_heads(cfg, target)
+    mask_token_id = None
+    if h.kind == "dflash":
+        from .dflash import resolve_mask_token
+
+        vocab = target.get_input_embeddings().weight.shape[0]
+        try:
+            mask_token_id = resolve_mask_token(tokenizer, vocab, h.mask_token_id)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 0 <= mask_token_id < vocab:
+            raise ConfigError(f"heads.mask_token_id={mask_token_id}: the target's embedding has {vocab} rows; pick an "
+                              "id below that (or leave it unset)")
     draft_ids = None
     vocab = target.get_output_embeddings().weight.shape[0]
     if n := h.draft_vocab(vocab):
@@ -184,7 +203,7 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds) -> DraftHeads:
     heads = DraftHeads.for_target(target, h.kind, h.num_heads, h.layers_per_head, h.own_embed, h.own_lm_head,
                                   draft_ids=draft_ids, target_name=cfg.target.model, block=h.block,
                                   context_layers=h.context_layers, aux_layers=h.aux_layers or None,
-                                  norms=h.eagle3_norms())
+                                  norms=h.eagle3_norms(), mask_token_id=mask_token_id)
     return heads.to(target.device)
 
 
@@ -204,6 +223,8 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module) -> DraftHeads:
                       f"this target) but those heads have {spec.draft_vocab_size}")
     if h.aux_layers and h.aux_layers != spec.aux_layers:
         differ.append(f"heads.aux_layers={h.aux_layers!r} but those heads have {spec.aux_layers!r}")
+    if spec.kind == "dflash" and h.mask_token_id is not None and h.mask_token_id != spec.mask_token_id:
+        differ.append(f"heads.mask_token_id={h.mask_token_id} but those heads have {spec.mask_token_id}")
     if spec.kind == "eagle3" and h.norms != "auto" and sorted(h.norms) != sorted(spec.norms):
         differ.append(f"heads.norms={h.norms!r} but those heads have {spec.norms!r}")
     if differ:

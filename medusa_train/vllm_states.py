@@ -82,7 +82,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     train_ds, _, info = build_datasets(cfg, tokenizer)
     target = load_model(cfg.target, "cpu")
     forward = setup_forward_target(cfg, target, "cpu")
-    heads = setup_heads(cfg, target, train_ds)
+    heads = setup_heads(cfg, target, train_ds, tokenizer)
     aux = tuple(heads.spec.aux_layers)
     num_layers = len(decoder_layers(target))
     layers = vllm_layers(aux, num_layers)

@@ -21,12 +21,11 @@ from torch.utils.data import DataLoader
 
 from medusa_train.config import load_config
 from medusa_train.data import build_datasets, collate
-from medusa_train.joint import JointObjective, add_lora
-from medusa_train.losses import HeadsObjective
+from medusa_train.joint import add_lora
 from medusa_train.target import load_model, load_tokenizer
 from medusa_train.target_states import TargetStates
 from medusa_train.optim import param_groups
-from medusa_train.run import setup_forward_target, setup_heads
+from medusa_train.run import make_objective, setup_forward_target, setup_heads
 
 
 def main() -> None:
@@ -46,9 +45,9 @@ def main() -> None:
     peft = add_lora(target, cfg.target.lora) if joint else None
     target = peft.get_base_model() if joint else target
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    heads = setup_heads(cfg, target, train_ds)
+    heads = setup_heads(cfg, target, train_ds, tokenizer)
     states = TargetStates(setup_forward_target(cfg, target, "cpu"), lm_head, layers=heads.spec.aux_layers)
-    objective = JointObjective(heads, peft, cfg.loss) if joint else HeadsObjective(heads, cfg.loss)
+    objective = make_objective(cfg, heads, target, peft)
     optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
     loader = DataLoader(train_ds, batch_size=cfg.train.batch_size, shuffle=True,
                         collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))

@@ -26,7 +26,7 @@ from test_inference_greedy import float64_model, greedy_reference
 from tiny import VOCAB, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.engine.drafters import DraftContext, Eagle3Drafter
+from inference.engine.drafters import DFlashDrafter, DraftContext, Eagle3Drafter
 from medusa_train.heads import DraftHeads
 from medusa_train.target import target_hidden
 
@@ -40,6 +40,8 @@ KINDS = {  # name: (kind, draft vocabulary size, context layers)
     "chained-context": ("chained", 0, 1),
     "eagle3": ("eagle3", 0, 0),
     "eagle3-draft-vocab": ("eagle3", 40, 0),
+    "dflash": ("dflash", 0, 0),
+    "dflash-draft-vocab": ("dflash", 40, 0),
 }
 
 
@@ -180,7 +182,7 @@ class OracleMixin:
 
 def oracle_heads(heads, target, truth: list[int]) -> HeadsDrafter:
     """OracleMixin over the drafter the heads' kind gets (`HeadsDrafter`, or `Eagle3Drafter` for eagle3 heads)."""
-    base = Eagle3Drafter if heads.spec.kind == "eagle3" else HeadsDrafter
+    base = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}.get(heads.spec.kind, HeadsDrafter)
     return type("OracleHeads", (OracleMixin, base), {})(heads, target, truth)
 
 

@@ -2,7 +2,7 @@
 
 One small interface, `Drafter.draft(ctx) -> Tree`, with four implementations:
 
-- `HeadsDrafter`: the trained draft heads (chained or parallel). Chained heads expand the tree depth by
+- `HeadsDrafter`: the trained draft heads (chained, parallel, eagle3 or dflash). Chained heads expand the tree depth by
   depth, running head k once on the batch of frontier nodes (each reads its parent's state and token).
   Heads with a context encoder keep its KV cache over committed positions (`observe`).
 - `NGramDrafter`: prompt lookup; match the last n tokens of the context earlier in the context and
@@ -213,8 +213,8 @@ class HeadsDrafter(TreeDrafter):
     """
 
     def __new__(cls, heads: nn.Module, *args, **kwargs):
-        if cls is HeadsDrafter and heads.spec.kind == "eagle3":
-            cls = Eagle3Drafter
+        if cls is HeadsDrafter and heads.spec.kind in ("eagle3", "dflash"):
+            cls = Eagle3Drafter if heads.spec.kind == "eagle3" else DFlashDrafter
         return super().__new__(cls)
 
     def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
@@ -363,6 +363,40 @@ class Eagle3Drafter(HeadsDrafter):
             child = torch.cat([s, path.flatten(1)], dim=-1)
         cand, logq = self.candidates(self.head_logits(k, s).float(), num)
         return cand, logq, child
+
+
+class DFlashDrafter(HeadsDrafter):
+    """Draft with dflash heads (`medusa_train.dflash`): its layers keep the context's keys and values of every
+    committed position (`observe`); a step runs one forward over the block of the root and K mask tokens, which gives
+    every depth's distribution at once. Like parallel heads, a depth's candidates do not depend on the tokens chosen
+    above them, so static and dynamic trees take each level's top-k from that one forward."""
+
+    def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
+        super().__init__(heads, target, topk_accuracy)
+        self.dflash = self.heads.dflash
+        self.needs_history, self.chained = True, False
+        self.target_layers = tuple(heads.spec.aux_layers)
+        self._cache = None
+        mask = torch.tensor([heads.spec.mask_token_id], device=self.lm_head.weight.device)
+        self._mask_embed = self.heads.embed_tokens(mask, self.embed)[0].to(self.lm_head.weight.dtype)
+
+    def reset(self) -> None:
+        self._cache = None
+
+    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        aux = hidden[:, self.heads.spec.hidden_size:].to(self.lm_head.weight.dtype)
+        self._cache = self.dflash.extend(aux, self._cache)
+
+    def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
+        return self.dflash.lm_head(s)
+
+    def root_state(self, ctx: DraftContext) -> None:
+        if self._cache is None:
+            raise RuntimeError("dflash heads read the committed positions: feed them with observe() "
+                               "(SpeculativeGenerator does) before drafting")
+        e = self.heads.embed_tokens(ctx.root, self.embed)[0].to(self._mask_embed.dtype)
+        self._parallel_logits = self.head_logits(0, self.dflash.draft(e, self._mask_embed, self._cache)).float()
+        return None
 
 
 def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:

@@ -1,0 +1,239 @@
+"""DFlash block drafter (`heads.kind: dflash`): the math of `speculators`' DFlashDraftModel, trained and drafted here.
+
+Notation (docs/design.md). The target's states at A layers (`aux_layers`, layer id i: the input of decoder layer i,
+as speculators and vLLM's speculators loader count) at committed position j are fused into the context
+c_j = hidden_norm(fc([a_j^1; ...; a_j^A])). A block of S = K + 1 tokens follows the last committed position t: the
+anchor x_{t+1} (the token the target already decided: the tree's root) and K copies of the mask token, at rotary
+positions t+1 .. t+1+K. One forward of L small Qwen3 decoder layers runs over the block; in every layer each block
+token attends to the context (keys and values k_norm(k_proj(c_j)), v_proj(c_j) at positions j <= t, the same in every
+step: computed once per committed position) and, non-causally, to the whole block. The block's slot i (1..K) gives
+logits lm_head(norm(x_i)) for x_{t+1+i}: slot i is our head i (0-based head i-1). Unlike eagle3's steps, the slots do
+not read each other's chosen tokens: one forward gives every depth's distribution, and the tree is built from them
+as from parallel heads.
+
+Training (`DFlashDraft.anchored_states`) draws random anchors per row (the reference trainers' recipe) and runs their
+blocks together: every block attends to the context before its anchor and to itself only. The loss weights slot i by
+`loss.decay`**(i-1), the reference's exp(-(i-1)/gamma) (decay 0.8 is gamma 4.5; gamma 4, the reference's for blocks
+of 8, is decay 0.78). Parameter names are speculators 0.9's (`layers.N.self_attn.q_norm`, `fc`, `hidden_norm`,
+`norm`, `lm_head`), so the export only drops our prefix and renames the vocabulary maps.
+
+Transformers' own Qwen3 modules are used for the MLP, norms and rotary; the imports live here only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from .eagle3 import default_aux_layers, layer_config as llama_layer_config
+from .target import text_config
+
+Cache = list  # per layer: (keys, values) of the committed positions, each [kv_heads, P, head_dim]
+
+ANCHOR_CHUNK = 32  # blocks per attention call when every position is an anchor (evaluation): bounds the mask
+
+
+def layer_config(target_config: Any, num_layers: int) -> dict[str, Any]:
+    """The draft layers' Qwen3Config, sized like the target (hidden size, heads, MLP width, rotary, norm eps), as the
+    diff dict speculators writes for `transformer_layer_config`."""
+    fields = {k: v for k, v in llama_layer_config(target_config).items()
+              if k not in ("model_type", "transformers_version", "architectures", "mlp_bias")}
+    fields |= {"num_hidden_layers": num_layers, "attention_bias": False, "tie_word_embeddings": False,
+               "layer_types": ["full_attention"] * num_layers, "use_sliding_window": False}
+    return Qwen3Config(**fields).to_diff_dict()
+
+
+def qwen3_config(layer: dict[str, Any]) -> Qwen3Config:
+    return Qwen3Config(**{k: v for k, v in layer.items() if k not in ("model_type", "transformers_version")})
+
+
+def spec_fields(target_config: Any, num_layers: int, aux_layers: list[int] | None, mask_token_id: int
+                ) -> dict[str, Any]:
+    """The dflash fields of a `HeadsSpec` for a target of this config."""
+    layers = text_config(target_config).num_hidden_layers
+    return {"aux_layers": list(aux_layers or default_aux_layers(layers)),
+            "layer_config": layer_config(target_config, num_layers), "mask_token_id": int(mask_token_id)}
+
+
+def resolve_mask_token(tokenizer: Any, vocab_size: int, explicit: int | None = None) -> int:
+    """The mask token's id: `explicit`, else the tokenizer's mask token, else the first embedding row no token uses,
+    else its pad, EOS or unknown token (speculators' order). Its embedding is the target's row, frozen."""
+    if explicit is not None:
+        return int(explicit)
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("no mask token for heads.kind=dflash: the tokenizer has no mask, pad, EOS or unknown token and "
+                     "no unused embedding row; set heads.mask_token_id")
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3 decoder layer whose keys and values also come from the context states (never normalised by
+    input_layernorm: the context is already hidden_norm's output)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.scaling = hd ** -0.5
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        attn.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        attn.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        attn.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        attn.q_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        attn.k_norm = Qwen3RMSNorm(hd, eps=config.rms_norm_eps)
+        self.self_attn = attn
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normalised, rotated) and values [B, Hkv, T, hd] of states x [B, T, d] (context or block)."""
+        B, T, _ = x.shape
+        attn = self.self_attn
+        k = attn.k_norm(attn.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary_pos_emb(k, k, cos, sin)[0], v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The block x [B, Q, d] at rotary cos/sin [B, Q, hd], attending to the context's keys/values [B, Hkv, P, hd]
+        and to its own; `mask` [B, 1, Q, P + Q] (None: everything)."""
+        B, Q, _ = x.shape
+        attn = self.self_attn
+        y = self.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(y).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        k, v = self.kv(y, cos, sin)
+        a = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
+                                           attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        x = x + attn.o_proj(a.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    """fc, hidden_norm, the draft layers, the final norm and the LM head over the draft vocabulary (speculators'
+    layout). `num_slots` = K, the mask tokens after the anchor."""
+
+    def __init__(self, layer: dict[str, Any], num_aux: int, scored_vocab: int, num_slots: int, mask_token_id: int):
+        super().__init__()
+        config = qwen3_config(layer)
+        d = config.hidden_size
+        self.num_slots, self.mask_token_id = num_slots, mask_token_id
+        self.fc = nn.Linear(num_aux * d, d, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, scored_vocab, bias=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # no parameters; its buffers are not saved
+        for module in self.modules():  # Qwen3's initialisation (normal, std initializer_range), as speculators'
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=config.initializer_range)
+        # the LM head is the target's rows of the draft vocabulary (`DraftHeads.for_target`), frozen as speculators
+        # trains it
+        self.lm_head.weight.requires_grad_(False)
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, hd] at positions [B, T]."""
+        return self.rotary_emb(x, positions)
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """c = hidden_norm(fc(aux)): the context states the block attends to."""
+        return self.hidden_norm(self.fc(aux))
+
+    def block_inputs(self, anchor_embeds: torch.Tensor, mask_embed: torch.Tensor) -> torch.Tensor:
+        """[..., S, d]: each anchor's embedding [..., d] followed by K mask embeddings ([d])."""
+        masks = mask_embed.to(anchor_embeds.dtype).expand(*anchor_embeds.shape[:-1], self.num_slots, -1)
+        return torch.cat([anchor_embeds[..., None, :], masks], dim=-2)
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """The layers over blocks x [B, Q, d] at `positions` [B, Q]; norm(output) [B, Q, d]."""
+        cos, sin = self.rotary(x, positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def anchored_states(self, aux: torch.Tensor, anchor_embeds: torch.Tensor, mask_embed: torch.Tensor,
+                        anchors: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """norm(x_i) of slots 1..K for the blocks after positions `anchors` [B, N] (the last context position t of
+        each block; its anchor token is x_{t+1}, whose embedding is anchor_embeds [B, N, d]): [K, B, N, d]. aux
+        [B, T, A*d] are the target's layers at every position; `attention_mask` [B, T] marks real positions. Block n
+        attends to the context j <= anchors[n] and to itself; the blocks are run ANCHOR_CHUNK at a time."""
+        B, T, _ = aux.shape
+        S = self.num_slots + 1
+        c = self.context(aux)
+        idx = torch.arange(T, device=aux.device)
+        ctx_kv = [layer.kv(c, *self.rotary(c, idx.expand(B, T))) for layer in self.layers]
+        real = torch.ones(B, T, dtype=torch.bool, device=aux.device) if attention_mask is None \
+            else attention_mask.bool()
+        out = []
+        for a in range(0, anchors.shape[1], ANCHOR_CHUNK):
+            t = anchors[:, a:a + ANCHOR_CHUNK]  # [B, n]
+            n = t.shape[1]
+            x = self.block_inputs(anchor_embeds[:, a:a + n], mask_embed).reshape(B, n * S, -1)
+            positions = (t[..., None] + 1 + torch.arange(S, device=t.device)).reshape(B, n * S)
+            see_ctx = (idx[None, None] <= t[..., None]) & real[:, None]  # [B, n, T]
+            block = torch.arange(n, device=t.device)
+            see_block = (block[:, None] == block[None]).repeat_interleave(S, 0).repeat_interleave(S, 1)  # [nS, nS]
+            mask = torch.cat([see_ctx.repeat_interleave(S, 1), see_block.expand(B, -1, -1)], dim=2)[:, None]
+            y = self.run_blocks(x, positions, ctx_kv, mask).view(B, n, S, -1)
+            out.append(y[:, :, 1:].permute(2, 0, 1, 3))
+        return torch.cat(out, dim=2)
+
+    # -- inference --------------------------------------------------------------------------------------
+
+    def extend(self, aux: torch.Tensor, cache: Cache | None) -> Cache:
+        """Append n committed positions (aux [n, A*d]) to every layer's context keys and values (None: a new
+        sequence). Entry j sits at rotary position j."""
+        start = 0 if cache is None else cache[0][0].shape[1]
+        c = self.context(aux)[None]  # [1, n, d]
+        positions = torch.arange(start, start + c.shape[1], device=c.device)[None]
+        cos, sin = self.rotary(c, positions)
+        grown = []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.kv(c, cos, sin)
+            if cache is not None:
+                k, v = torch.cat([cache[i][0][None], k], dim=2), torch.cat([cache[i][1][None], v], dim=2)
+            grown.append((k[0], v[0]))
+        return grown
+
+    def draft(self, anchor_embed: torch.Tensor, mask_embed: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """norm(x_i) of slots 1..K [K, d] for the block after the cached positions, whose anchor (the root) has the
+        embedding anchor_embed [d]: one forward, the block attending to every cached position and to itself."""
+        P = cache[0][0].shape[1]
+        x = self.block_inputs(anchor_embed[None], mask_embed)  # [1, S, d]
+        positions = torch.arange(P, P + self.num_slots + 1, device=x.device)[None]
+        kv = [(k[None], v[None]) for k, v in cache]
+        return self.run_blocks(x, positions, kv, None)[0, 1:]
+
+
+def sample_anchors(supervised: torch.Tensor, num: int, generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num` random anchors per row (positions t whose next-but-one token x_{t+2}, the first slot's target, is
+    supervised: `supervised` [B, T] bool marks tokens that carry a label), sorted; returns (anchors [B, num],
+    valid [B, num]). Rows with fewer candidates repeat position 0 in the spare places, marked invalid."""
+    B, T = supervised.shape
+    candidates = torch.zeros_like(supervised)
+    candidates[:, :T - 2] = supervised[:, 2:]
+    keys = torch.rand(B, T, generator=generator, device=supervised.device)
+    keys = torch.where(candidates, keys, torch.full_like(keys, 2.0))  # non-candidates sort last
+    n = min(num, T)
+    chosen = keys.topk(n, dim=1, largest=False)
+    valid = chosen.values < 2.0
+    anchors = torch.where(valid, chosen.indices, torch.zeros_like(chosen.indices))
+    order = torch.where(valid, anchors, torch.full_like(anchors, T)).argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
