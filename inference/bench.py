@@ -8,8 +8,9 @@ Methods (every speedup is over `ar`, measured in the same run):
 - `ar`: the target's plain `generate(do_sample=False)`;
 - `pld`: `generate(prompt_lookup_num_tokens=...)`, what transformers gives for free;
 - `ngram`, `bigram`: draft-free drafters in our engine (`NGramDrafter`, `BigramDrafter`);
-- `parallel`, `chained`, `eagle3`: trained heads (`--heads-parallel`, `--heads`, `--heads-eagle3`) in our engine;
-- `chained+ngram`, `eagle3+ngram`: those heads' tree with the n-gram lookup's continuation grafted on
+- `parallel`, `chained`, `eagle3`, `dflash`: trained heads (`--heads-parallel`, `--heads`, `--heads-eagle3`,
+  `--heads-dflash`) in our engine;
+- `chained+ngram`, `eagle3+ngram`, `dflash+ngram`: those heads' tree with the n-gram lookup's continuation grafted on
   (`HybridDrafter`; the lookup takes up to `--lookup-nodes` of each step's budget).
 
 Methods run interleaved per prompt (the order rotates from prompt to prompt) after a warm-up, `--repeats`
@@ -38,7 +39,9 @@ from inference.generate import parse_tree_budget
 from medusa_train.errors import ArgumentParser
 
 ALL_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3",
-               "eagle3+ngram")
+               "eagle3+ngram", "dflash", "dflash+ngram")
+HEADS_OPTIONS = {"chained": "heads", "parallel": "heads_parallel", "eagle3": "heads_eagle3", "dflash": "heads_dflash"}
+"""The option naming each method's heads directory (a `+ngram` method: its heads' method's)."""
 
 
 class BenchError(ValueError):
@@ -348,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default=None, help="chained heads directory (method `chained`)")
     p.add_argument("--heads-parallel", default=None, help="parallel (Medusa-1) heads directory (method `parallel`)")
     p.add_argument("--heads-eagle3", default=None, help="eagle3 heads directory (methods `eagle3`, `eagle3+ngram`)")
+    p.add_argument("--heads-dflash", default=None, help="dflash heads directory (methods `dflash`, `dflash+ngram`)")
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
@@ -406,7 +410,8 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
         methods = ["ar"] + (["ar-compiled"] if args.compile else []) + ["pld", "ngram"] + \
                   (["bigram"] if args.bigram_data else []) + \
                   (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else []) \
-                  + (["eagle3", "eagle3+ngram"] if args.heads_eagle3 else [])
+                  + (["eagle3", "eagle3+ngram"] if args.heads_eagle3 else []) \
+                  + (["dflash", "dflash+ngram"] if args.heads_dflash else [])
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in ALL_METHODS]
@@ -414,10 +419,11 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
             raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
         if "ar" not in methods:
             methods.insert(0, "ar")  # the reference for speedup and exact_match
-    need = {"chained": ("--heads", args.heads), "chained+ngram": ("--heads", args.heads),
-            "parallel": ("--heads-parallel", args.heads_parallel),
-            "eagle3": ("--heads-eagle3", args.heads_eagle3), "eagle3+ngram": ("--heads-eagle3", args.heads_eagle3),
-            "bigram": ("--bigram-data", args.bigram_data)}
+    need = {"bigram": ("--bigram-data", args.bigram_data)}
+    for m in ALL_METHODS:
+        if m.removesuffix("+ngram") in HEADS_OPTIONS:
+            option = HEADS_OPTIONS[m.removesuffix("+ngram")]
+            need[m] = ("--" + option.replace("_", "-"), getattr(args, option))
     for m in methods:
         if m in need and not need[m][1]:
             raise BenchError(f"method {m} needs {need[m][0]}")
@@ -426,7 +432,7 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
     if args.target is None:
         from medusa_train.heads import load_spec
 
-        for d in (args.heads, args.heads_parallel, args.heads_eagle3):
+        for d in (getattr(args, option) for option in HEADS_OPTIONS.values()):
             if d and load_spec(d).target_name:
                 args.target = load_spec(d).target_name
                 break
@@ -469,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     dtype = resolve_dtype(args.dtype, device)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
-    fingerprints = [load_spec(d).target_fingerprint for d in (args.heads, args.heads_parallel, args.heads_eagle3) if d]
+    fingerprints = [load_spec(d).target_fingerprint for d in (getattr(args, o) for o in HEADS_OPTIONS.values()) if d]
     adapters = {recorded_adapter(fp) for fp in fingerprints}
     if len(adapters) > 1:
         log(f"error: the heads were trained for different targets (adapters {sorted(map(str, adapters))})")
@@ -499,12 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 drafter = NGramDrafter()
             elif m == "bigram":
                 drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
-            elif m.endswith("+ngram"):
-                heads_dir = args.heads if m == "chained+ngram" else args.heads_eagle3
-                drafter = HybridDrafter(HeadsDrafter.from_pretrained(heads_dir, target), lookup_nodes=args.lookup_nodes)
             else:
-                heads_dir = {"chained": args.heads, "parallel": args.heads_parallel, "eagle3": args.heads_eagle3}[m]
-                drafter = HeadsDrafter.from_pretrained(heads_dir, target)
+                drafter = HeadsDrafter.from_pretrained(getattr(args, HEADS_OPTIONS[m.removesuffix("+ngram")]), target)
+                if m.endswith("+ngram"):
+                    drafter = HybridDrafter(drafter, lookup_nodes=args.lookup_nodes)
             generators[m] = SpeculativeGenerator(target, tokenizer, drafter, compile=args.compile)
             counts[m] = {}
             runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])

@@ -1,7 +1,8 @@
 """Export trained heads to the formats serving engines load: one CLI for every kind.
 
-    python -m medusa_train.export HEADS_DIR OUT --format speculators      # eagle3 heads: vLLM
+    python -m medusa_train.export HEADS_DIR OUT --format speculators      # eagle3 and dflash heads: vLLM
     python -m medusa_train.export HEADS_DIR OUT --format eagle3           # eagle3 heads: SGLang (EAGLE-3's layout)
+    python -m medusa_train.export HEADS_DIR OUT --format dflash           # dflash heads: SGLang (DFlash's layout)
     python -m medusa_train.export HEADS_DIR OUT --format medusa           # parallel heads: vLLM <= 0.32
     python -m medusa_train.export HEADS_DIR OUT --format mlp_speculator   # chained mlp_speculator heads: vLLM <= 0.32
 
@@ -11,6 +12,16 @@
   heads' own (`fc`, `layers.0.*`, `norm`, `lm_head`); the draft vocabulary becomes `d2t` (target id = draft id +
   d2t[draft id]) and `t2d` (a mask over the target vocabulary), ordered by target id; `embed_tokens.weight` is the
   target's embedding (read from the target; `--no-embed` leaves it out, and the engine then shares the target's).
+- `speculators` for dflash heads: speculators 0.9's DFlash layout (`speculators_model_type: dflash`, `block_size` =
+  num_heads + 1, `aux_hidden_state_layer_ids` = our aux layers, `mask_token_id`), which vLLM serves with
+  `{"method": "dflash", "model": OUT, "num_speculative_tokens": num_heads}`. vLLM 0.32/0.33 turns the config's
+  `sliding_window_non_causal` into its `causal` flag for every layer (`causal = not sliding_window_non_causal`), while
+  speculators itself keeps full-attention layers non-causal whatever the flag says: the export writes true, so both
+  read the block as non-causal, as it was trained.
+- `dflash`: DFlash's own release layout (z-lab's: `architectures: DFlashDraftModel`, the Qwen3 layer config at the top,
+  `block_size`, `dflash_config.target_layer_ids` counted as the layer whose output is taken: ours minus one, and
+  `mask_token_id`), which SGLang loads with `--speculative-algorithm DFLASH`; no LM head (the engine shares the
+  target's), so it holds heads with the full vocabulary only.
 - `eagle3`: the original EAGLE-3 release's layout (`architectures: LlamaForCausalLMEagle3`, the layer as
   `midlayer.*`, no embedding), which SGLang loads with `--speculative-algorithm EAGLE3`; SGLang counts auxiliary
   layers by the layer whose output it takes, so `eagle_config.eagle_aux_hidden_state_layer_ids` holds ours minus one.
@@ -41,7 +52,7 @@ from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
 from .heads import DraftHeads, load_spec
 from .target import merge_recorded_adapter, recorded_adapter
 
-FORMATS = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "parallel", "mlp_speculator": "chained"}
+FORMATS = ("speculators", "eagle3", "dflash", "medusa", "mlp_speculator")
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -103,10 +114,52 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
     }
 
 
-def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The eagle3 heads' tensors under speculators' names, the draft vocabulary ordered by target id."""
+def speculators_dflash_config(heads: DraftHeads, verifier: str, architectures: list[str]) -> dict[str, Any]:
+    """config.json as speculators 0.9 writes a DFlashSpeculatorConfig (see the module docs for the causal flag)."""
     spec = heads.spec
-    state = {k: v.detach().float().cpu().contiguous() for k, v in heads.eagle3.state_dict().items()}
+    layer = dict(spec.layer_config)
+    layer.setdefault("model_type", "qwen3")
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "aux_hidden_state_layer_ids": list(spec.aux_layers),
+        "block_size": spec.num_heads + 1,
+        "draft_vocab_size": spec.scored_vocab,
+        "mask_token_id": spec.mask_token_id,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": True,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                  "speculative_tokens": spec.num_heads, "verifier_accept_k": 1}],
+            "verifier": {"architectures": list(architectures), "name_or_path": verifier},
+        },
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": None,
+        "transformer_layer_config": layer,
+        "torch_dtype": "float32",
+    }
+
+
+def dflash_files(heads: DraftHeads, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) in DFlash's release layout, from the speculators tensors of the same (full-vocabulary)
+    heads, without the LM head and the embedding: SGLang shares the target's."""
+    spec = heads.spec
+    config = {k: v for k, v in spec.layer_config.items() if k != "transformers_version"}
+    config |= {"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "block_size": spec.num_heads + 1,
+               "dflash_config": {"target_layer_ids": [i - 1 for i in spec.aux_layers],
+                                 "mask_token_id": spec.mask_token_id},
+               "torch_dtype": "float32"}
+    return config, {k: v for k, v in state.items() if k not in ("lm_head.weight", "embed_tokens.weight")}
+
+
+def speculators_tensors(heads: DraftHeads, embed: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The eagle3 or dflash heads' tensors under speculators' names, the draft vocabulary ordered by target id."""
+    spec = heads.spec
+    draft = heads.eagle3 if spec.kind == "eagle3" else heads.dflash
+    state = {k: v.detach().float().cpu().contiguous() for k, v in draft.state_dict().items()
+             if not k.startswith("rotary_emb.")}
     if spec.draft_vocab_size:
         ids, order = torch.sort(heads.draft_ids.cpu())
         state["lm_head.weight"] = state["lm_head.weight"][order].contiguous()
@@ -209,8 +262,9 @@ def medusa_files(heads: DraftHeads, lm_head: torch.Tensor) -> tuple[dict[str, An
     return config, state
 
 
-# what each format holds, as the recipe keys that train such heads
-NEEDS = {"speculators": {"kind": "eagle3"}, "eagle3": {"kind": "eagle3"},
+# what each format holds, as the recipe keys that train such heads (a tuple: any of them)
+NEEDS = {"speculators": {"kind": ("eagle3", "dflash")}, "eagle3": {"kind": "eagle3"},
+         "dflash": {"kind": "dflash", "draft_vocab_size": 0},
          "medusa": {"kind": "parallel", "draft_vocab_size": 0, "context_layers": 0},
          "mlp_speculator": {"kind": "chained", "block": "mlp_speculator", "layers_per_head": 1, "draft_vocab_size": 0,
                             "context_layers": 0}}
@@ -218,20 +272,23 @@ NEEDS = {"speculators": {"kind": "eagle3"}, "eagle3": {"kind": "eagle3"},
 
 def format_problem(spec, fmt: str) -> str | None:
     """Why heads of this spec do not fit `fmt` (None: they do), naming the recipe keys the format needs."""
-    wrong = [k for k, v in NEEDS[fmt].items() if getattr(spec, k) != v]
+    wrong = [k for k, v in NEEDS[fmt].items() if getattr(spec, k) not in (v if isinstance(v, tuple) else (v,))]
     if not wrong and fmt == "eagle3" and "norm_before_residual" in spec.norms:  # SGLang's layer has no such norm
         return ("the eagle3 format holds heads trained without norm_before_residual in heads.norms (SGLang's draft "
                 "layer has no such norm)")
     if not wrong:
         return None
-    keys = " ".join(f"heads.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in NEEDS[fmt].items())
+    keys = " ".join(f"heads.{k}={'|'.join(v) if isinstance(v, tuple) else str(v).lower() if isinstance(v, bool) else v}"
+                    for k, v in NEEDS[fmt].items())
     return f"the {fmt} format holds heads trained with {keys}"
 
 
 def describe(spec) -> str:
     """The heads' kind and what sets them apart, as recipe keys."""
     extra = [f"heads.{k}={getattr(spec, k)}" for k in ("block", "draft_vocab_size", "context_layers", "layers_per_head")
-             if spec.kind != "eagle3" and getattr(spec, k) not in (0, 1, "residual")]
+             if spec.kind not in ("eagle3", "dflash") and getattr(spec, k) not in (0, 1, "residual")]
+    if spec.kind == "dflash":
+        extra += [f"heads.num_heads={spec.num_heads}", f"heads.draft_vocab_size={spec.draft_vocab_size}"]
     if spec.kind == "eagle3" and spec.norms:
         extra.append(f"heads.norms=[{','.join(spec.norms)}]")
     return f"{spec.kind} heads" + (f" ({', '.join(extra)})" if extra else "")
@@ -247,8 +304,8 @@ def check_request(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str
         fits = [f for f in FORMATS if format_problem(spec, f) is None]
         hint = (f"export them with --format {' or '.join(fits)}" if fits else
                 "no format holds them; heads that export are trained with heads.kind=eagle3 (speculators, eagle3: "
-                "vLLM and SGLang), or heads.kind=parallel heads.draft_vocab_size=0 heads.context_layers=0 (medusa: "
-                "vLLM <= 0.32)")
+                "vLLM and SGLang), heads.kind=dflash (speculators, dflash: vLLM and SGLang), or heads.kind=parallel "
+                "heads.draft_vocab_size=0 heads.context_layers=0 (medusa: vLLM <= 0.32)")
         raise ExportError(f"{problem}, but {heads_dir} holds {describe(spec)}: {hint}")
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -312,7 +369,11 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
 
             check_fingerprint(heads.spec.target_fingerprint, model, heads.spec.target_name)
         state = speculators_tensors(heads, model.get_input_embeddings().weight if model is not None else None)
-        files = {"config": speculators_config(heads, verifier or name, archs), "state": state}
+        make = speculators_config if heads.spec.kind == "eagle3" else speculators_dflash_config
+        files = {"config": make(heads, verifier or name, archs), "state": state}
+    elif fmt == "dflash":  # no embedding, no LM head: nothing to read from the target
+        config, state = dflash_files(heads, speculators_tensors(heads, None))
+        files = {"config": config, "state": state}
     elif fmt == "eagle3":  # no embedding, no verifier: nothing to read from the target
         config, state = eagle3_files(heads, speculators_tensors(heads, None))
         files = {"config": config, "state": state}
@@ -340,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("heads", help="heads directory (written by train.py)")
     parser.add_argument("out", help="directory to write (must not exist or be empty, unless --force)")
     parser.add_argument("--format", required=True, choices=tuple(FORMATS),
-                        help="speculators (eagle3 heads, for vLLM), eagle3 (eagle3 heads, for SGLang), medusa "
-                             "(parallel heads), mlp_speculator")
+                        help="speculators (eagle3 and dflash heads, for vLLM), eagle3 (eagle3 heads, for SGLang), "
+                             "dflash (dflash heads, for SGLang), medusa (parallel heads), mlp_speculator")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
     parser.add_argument("--target", default=None, help="where to read the target (default: the heads' config)")
     parser.add_argument("--verifier", default=None,

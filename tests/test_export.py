@@ -112,6 +112,55 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
         assert err < 1e-5 * ours[k, :valid].abs().max().item() + 1e-6, (k, err)
 
 
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory):
+    """A tiny Llama target on disk and dflash heads for it: a block of 5, two layers, a draft vocabulary, perturbed."""
+    root = tmp_path_factory.mktemp("export-dflash")
+    target = save_tiny(root / "target", "llama", layers=6)
+    heads = DraftHeads.for_target(target, "dflash", 4, 2, draft_ids=torch.randperm(260, generator=torch.Generator()
+                                                                                    .manual_seed(0))[:48],
+                                  target_name=str(root / "target"), mask_token_id=257)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    heads.save_pretrained(root / "heads")
+    return root, target, heads
+
+
+@pytest.mark.timeout(600)  # the first run on a machine installs speculators
+def test_speculators_dflash_loads_the_export_and_computes_our_logits(dflash_dir, speculators_env_vars, tmp_path):
+    """speculators' own DFlashDraftModel, run over our export with an anchor at every position, gives for each
+    block's slot i the logits our heads give head i at the position before the anchor."""
+    root, target, heads = dflash_dir
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
+    T, K = 16, heads.spec.num_heads
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
+    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    with torch.no_grad():
+        states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]: head k at t, a block after t
+        ours = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # [K, T, V_draft]
+    loss_mask = torch.ones(1, T, dtype=torch.long)
+    loss_mask[0, 0] = 0  # an anchor at position 0 would have no context: our first block follows position 0
+    torch.save({"aux": feats[..., 32:].contiguous(), "input_ids": ids, "loss_mask": loss_mask}, tmp_path / "in.pt")
+    proc = subprocess.run([sys.executable, str(HERE / "speculators_dflash_check.py"), str(tmp_path / "out"),
+                           str(tmp_path / "in.pt")], capture_output=True, text=True, env=speculators_env_vars)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # every tensor we wrote is one of theirs; they miss only the verifier's LM head and norm (never saved)
+    assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
+    assert got["as_saved"] and got["aux_layers"] == heads.spec.aux_layers
+    assert got["block_size"] == K + 1 and got["mask_token_id"] == 257
+    positions = [a for a, real in zip(got["positions"], got["trained"]) if real]
+    assert positions == list(range(1, T - K - 1))  # speculators leaves the last block_size positions out
+    theirs = torch.tensor(got["logits"])  # [blocks, block_size, V_draft]
+    for n, a in enumerate(positions):
+        for i in range(1, K + 1):
+            ref = ours[i - 1, a - 1]
+            err = (theirs[n, i] - ref).abs().max().item()
+            assert err < 1e-5 * ref.abs().max().item() + 1e-6, (a, i, err)
+
+
 def test_speculators_config_holds_what_vllm_reads(eagle3_dir, tmp_path):
     """The fields vLLM's speculators loader reads (update_eagle3 and the proposal/verifier lookup), and the vocabulary
     maps as it applies them: target id = draft id + d2t[draft id]."""
