@@ -1,8 +1,9 @@
-"""SGLang's EAGLE3 loader, read from its own source (sglang 0.5.23, pinned; SGLang does not run on a CPU machine):
-every tensor of our `--format eagle3` export maps to a parameter its `LlamaForCausalLMEagle3.load_weights` loads (it
-skips a name it does not know without a word, so a renamed tensor would serve a random weight), the config says
-what that model reads, its draft layer computes what ours does, and the README's launch line uses flags its argument
-parser has. The wheel is downloaded once (no dependencies, nothing imported) into the project's cache."""
+"""SGLang's EAGLE3 and DFLASH loaders, read from their own source (sglang 0.5.23, pinned; SGLang does not run on a CPU
+machine): every tensor of our `--format eagle3` export maps to a parameter its `LlamaForCausalLMEagle3.load_weights`
+loads (it skips a name it does not know without a word, so a renamed tensor would serve a random weight), the config
+says what that model reads, its draft layer computes what ours does, and the README's launch line uses flags its
+argument parser has; the same for `--format dflash` and its `DFlashDraftModel`. The wheel is downloaded once (no
+dependencies, nothing imported) into the project's cache."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ from medusa_train.heads import DraftHeads
 
 SGLANG = "0.5.23"
 ROOT = Path(__file__).resolve().parents[1]
-NEEDED = ("sglang/srt/models/llama_eagle3.py", "sglang/srt/models/llama.py", "sglang/srt/arg_groups/fields/")
+NEEDED = ("sglang/srt/models/llama_eagle3.py", "sglang/srt/models/llama.py", "sglang/srt/arg_groups/fields/",
+          "sglang/srt/models/dflash.py")
 
 
 @pytest.fixture(scope="session")
 def sglang_src() -> Path:
     """The few source files of sglang 0.5.23 this test reads, from its wheel, staged and renamed into place."""
     where = cache_root() / f"sglang-{SGLANG}-source"
-    if (where / NEEDED[0]).is_file():
+    if all((where / name).exists() for name in NEEDED):
         return where
     staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -226,3 +228,102 @@ def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
     assert {"--model-path", "--speculative-algorithm", "--speculative-draft-model-path"} <= flags
     assert flags - fields == set()
     assert "EAGLE3" in spec_help
+
+
+def sglang_dflash_parameters(src: Path, num_layers: int) -> set[str]:
+    """DFlashDraftModel's parameter names (0.5.23) for a drafter of `num_layers` layers, checked against the
+    attributes its classes set; the LM head and the embedding are the target's."""
+    dflash = (src / NEEDED[3]).read_text()
+    assert {"embed_tokens", "layers", "norm", "fc", "hidden_norm"} <= _assigned(dflash, "DFlashDraftModel")
+    layer = _assigned(dflash, "DFlashDecoderLayer")
+    assert {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"} <= layer
+    assert {"qkv_proj", "o_proj", "q_norm", "k_norm"} <= _assigned(dflash, "DFlashAttention")
+    assert {"gate_up_proj", "down_proj"} <= _assigned(dflash, "DFlashMLP")
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(num_layers):
+        names |= {f"layers.{i}.{n}.weight" for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "self_attn.q_norm",
+            "self_attn.k_norm", "mlp.gate_up_proj", "mlp.down_proj")}
+    return names
+
+
+def dflash_loaded_as(name: str, src: Path, params: set[str]) -> str | None:
+    """Where DFlashDraftModel.load_weights puts tensor `name`: q/k/v and gate/up stacked (its own table, read from its
+    source); None where it skips it without a word."""
+    stacked = _literal((src / NEEDED[3]).read_text(), "load_weights", "stacked_params_mapping")
+    for param_name, weight_name, _ in stacked:
+        if f".{weight_name}." in name:
+            name = name.replace(weight_name, param_name)
+            break
+    return name if name in params else None
+
+
+def check_dflash_export(out: Path, heads: DraftHeads, src: Path) -> list[str]:
+    """What sglang 0.5.23 would do wrong with this `--format dflash` export (empty: nothing)."""
+    params = sglang_dflash_parameters(src, heads.spec.layers_per_head)
+    names = load_file(str(out / "model.safetensors"))
+    problems = [f"{n}: skipped by sglang's loader" for n in names if dflash_loaded_as(n, src, params) is None]
+    problems += [f"{p}: never loaded" for p in sorted(params - {dflash_loaded_as(n, src, params) for n in names})]
+    config = json.loads((out / "config.json").read_text())
+    dflash = config.get("dflash_config", {})
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(f"architectures {config.get('architectures')}")
+    # DFlash's target_layer_ids count the layer whose output is taken: ours (the input of layer i) minus one
+    if dflash.get("target_layer_ids") != [i - 1 for i in heads.spec.aux_layers]:
+        problems.append(f"target_layer_ids {dflash.get('target_layer_ids')} for heads reading {heads.spec.aux_layers}")
+    if dflash.get("mask_token_id") != heads.spec.mask_token_id or config.get("block_size") != heads.spec.num_heads + 1:
+        problems.append(f"mask token {dflash.get('mask_token_id')} / block {config.get('block_size')} not as trained")
+    # every layer full attention and nothing saying causal: sglang runs them as ENCODER_ONLY (non-causal), as trained
+    if config.get("layer_types") != ["full_attention"] * heads.spec.layers_per_head or config.get("is_causal"):
+        problems.append(f"layer_types {config.get('layer_types')}, is_causal {config.get('is_causal')}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def dflash_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-dflash")
+    target = save_tiny(root / "target", "llama", layers=6)
+    heads = DraftHeads.for_target(target, "dflash", 5, 2, target_name=str(root / "target"), mask_token_id=257)
+    heads.save_pretrained(root / "heads")
+    assert export_main([str(root / "heads"), str(root / "dflash"), "--format", "dflash"]) == 0
+    return root, heads
+
+
+def test_sglang_loads_every_tensor_of_our_dflash_export(dflash_export, sglang_src):
+    root, heads = dflash_export
+    assert check_dflash_export(root / "dflash", heads, sglang_src) == []
+    names = load_file(str(root / "dflash" / "model.safetensors"))
+    assert "lm_head.weight" not in names and "embed_tokens.weight" not in names  # the target's, shared
+
+
+@pytest.mark.parametrize("plant", ["renamed tensor", "ids not shifted", "causal"])
+def test_a_broken_dflash_export_is_caught(dflash_export, sglang_src, tmp_path, plant):
+    root, heads = dflash_export
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "dflash", broken)
+    if plant == "renamed tensor":
+        w = load_file(str(broken / "model.safetensors"))
+        w["context_norm.weight"] = w.pop("hidden_norm.weight")
+        save_file(w, str(broken / "model.safetensors"))
+    else:
+        config = json.loads((broken / "config.json").read_text())
+        if plant == "ids not shifted":
+            config["dflash_config"]["target_layer_ids"] = heads.spec.aux_layers
+        else:
+            config["is_causal"] = True
+        (broken / "config.json").write_text(json.dumps(config))
+    assert check_dflash_export(broken, heads, sglang_src) != []
+
+
+def test_dflash_heads_with_a_draft_vocabulary_are_refused_for_sglang(dflash_export, tmp_path, capsys):
+    """SGLang's DFlash drafter scores with the target's LM head and reads no vocabulary map: heads with a draft
+    vocabulary export to speculators' format only, and the refusal says so in one line."""
+    root, _ = dflash_export
+    heads = DraftHeads.for_target(save_tiny(tmp_path / "t", "llama", layers=6), "dflash", 3,
+                                  draft_ids=torch.arange(64), target_name=str(tmp_path / "t"))
+    heads.save_pretrained(tmp_path / "heads")
+    capsys.readouterr()
+    assert export_main([str(tmp_path / "heads"), str(tmp_path / "out"), "--format", "dflash"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith("export them with --format speculators"), err
+    assert not (tmp_path / "out").exists()
