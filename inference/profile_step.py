@@ -156,7 +156,7 @@ def main() -> None:
     random.add_argument("--steps", type=int, default=40)
     random.add_argument("--shape", default="smollm2", choices=tuple(SHAPES),
                         help="the random model's shape: SmolLM2-135M, or the small fast target (12.6M)")
-    random.add_argument("--kind", default="chained", choices=("chained", "parallel", "eagle3"))
+    random.add_argument("--kind", default="chained", choices=("chained", "parallel", "eagle3", "dflash"))
     random.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
     random.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
     random.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))

