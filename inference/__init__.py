@@ -19,7 +19,8 @@ _MODULES = {
     "inference.engine.generator": ("SpeculativeGenerator", "GenerationOutput", "GenerationStats"),
     "inference.engine.support": ("ContextLengthError", "UnsupportedModelError"),
     "inference.engine.drafters": ("Drafter", "DraftContext", "TreeDrafter", "HeadsDrafter", "NGramDrafter",
-                                  "BigramDrafter", "HybridDrafter"),
+                                  "HybridDrafter"),
+    "inference.engine.bigram": ("BigramDrafter",),
     "inference.engine.tree": ("Tree", "TreeTopology", "static_tree_search", "topology_from_paths"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}

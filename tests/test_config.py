@@ -63,7 +63,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("heads.kind=dflash heads.mask_token_id=-1", "heads.mask_token_id must be a token id >= 0"),
     ("heads.kind=dflash heads.anchors=-2", "heads.anchors must be >= 0 (0: a block after every position), got -2"),
     ("heads.anchors=8", "heads.anchors is for heads.kind=dflash only (heads.kind=chained): remove it"),
-    ("heads.kind=eagle3 heads.mask_token_id=3", "heads.mask_token_id is for heads.kind=dflash only (heads.kind=eagle3)"),
+    ("heads.kind=eagle3 heads.mask_token_id=3",
+     "heads.mask_token_id is for heads.kind=dflash only (heads.kind=eagle3)"),
     ("heads.kind=eagle3 heads.norms=[norm_after_fc]", "heads.norms must be distinct names among norm_before_fc, "
      "norm_before_residual, norm_output (or auto), got ['norm_after_fc']"),
     ("heads.kind=eagle3 heads.norms=all", "heads.norms must be list | 'auto', got 'all'"),

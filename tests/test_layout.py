@@ -21,7 +21,7 @@ ROOMS = {
               "medusa_train.target_states"],
     "engine": ["inference.engine.tree", "inference.engine.kernels", "inference.engine.kv", "inference.engine.verify",
                "inference.engine.support", "inference.engine.calibrate", "inference.engine.choice",
-               "inference.engine.drafters",
+               "inference.engine.drafters", "inference.engine.bigram",
                "inference.engine.compiled", "inference.engine.budget", "inference.engine.generator"],
     "training": ["medusa_train.joint", "medusa_train.evaluate", "medusa_train.checkpoints", "medusa_train.preflight",
                  "medusa_train.metrics", "medusa_train.optim", "medusa_train.processes", "medusa_train.divergence",
@@ -164,7 +164,7 @@ def test_the_checks_see_what_they_check():
     assert "inference.engine.generator" in g["inference"]  # a lazy export named in a string
     planted = {k: set(v) for k, v in g.items()}
     planted["medusa_train.target"].add("medusa_train.heads")
-    assert ["medusa_train.eagle3", "medusa_train.heads", "medusa_train.target"] in cycles(planted)
+    assert any({"medusa_train.heads", "medusa_train.target"} <= set(c) for c in cycles(planted))
     rooms = room_of()
     assert rooms["medusa_train.trainer"] not in BELOW[rooms["inference.engine.drafters"]]
     assert LADDER.index("inference.engine.generator") > LADDER.index("inference.engine.tree")
