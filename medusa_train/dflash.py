@@ -30,7 +30,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from .eagle3 import default_aux_layers, layer_config as llama_layer_config
+from .eagle3 import default_aux_layers, init_draft, layer_config as llama_layer_config
 from .target import text_config
 
 Cache = list  # per layer: (keys, values) of the committed positions, each [kv_heads, P, head_dim]
@@ -137,12 +137,7 @@ class DFlashDraft(nn.Module):
         self.norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(d, scored_vocab, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # no parameters; its buffers are not saved
-        for module in self.modules():  # Qwen3's initialisation (normal, std initializer_range), as speculators'
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=config.initializer_range)
-        # the LM head is the target's rows of the draft vocabulary (`DraftHeads.for_target`), frozen as speculators
-        # trains it
-        self.lm_head.weight.requires_grad_(False)
+        init_draft(self, config.initializer_range)
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, hd] at positions [B, T]."""

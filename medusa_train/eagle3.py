@@ -135,6 +135,17 @@ class Eagle3Layer(LlamaDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def init_draft(draft: nn.Module, std: float) -> None:
+    """A draft model's start, as speculators' (eagle3 and dflash): every linear layer normal with the config's
+    initializer_range; the LM head (`lm_head`: the target's rows of the draft vocabulary, `DraftHeads.for_target`)
+    frozen, as speculators trains it (a trainable one cost a third of an eagle3 training step more on SmolLM2: its
+    weight gradient)."""
+    for module in draft.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+    draft.lm_head.weight.requires_grad_(False)
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[..., H, hd] -> [..., Hkv, H/Hkv, hd]: the query heads that share each key/value head."""
     *lead, H, hd = q.shape
@@ -159,12 +170,7 @@ class Eagle3Draft(nn.Module):
         self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(d, scored_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)  # no parameters; its buffers are not saved
-        for module in self.modules():  # Llama's initialisation (normal, std initializer_range), as speculators'
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=config.initializer_range)
-        # the LM head is the target's rows of the draft vocabulary (`DraftHeads.for_target`) and stays frozen, as
-        # speculators trains it: a trainable one cost a third of a training step more on SmolLM2 (its weight gradient)
-        self.lm_head.weight.requires_grad_(False)
+        init_draft(self, config.initializer_range)
 
     @property
     def layer(self) -> Eagle3Layer:

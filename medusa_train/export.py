@@ -99,14 +99,23 @@ def speculators_config(heads: DraftHeads, verifier: str, architectures: list[str
         "embed_requires_grad": False,
         "fc_norm": False,
         **norm_flags(spec, EAGLE3_NORMS),
+        **speculators_common(spec, "eagle3", verifier, architectures, layer),
+    }
+
+
+def speculators_common(spec, algorithm: str, verifier: str, architectures: list[str], layer: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """What every speculators 0.9 config holds: the proposal (a greedy chain of num_heads tokens), the verifier, the
+    versions and the draft layers' transformers config."""
+    return {
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
                                   "speculative_tokens": spec.num_heads, "verifier_accept_k": 1}],
             "verifier": {"architectures": list(architectures), "name_or_path": verifier},
         },
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": None,
         "transformer_layer_config": layer,
@@ -127,18 +136,7 @@ def speculators_dflash_config(heads: DraftHeads, verifier: str, architectures: l
         "mask_token_id": spec.mask_token_id,
         "sample_from_anchor": False,
         "sliding_window_non_causal": True,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
-                                  "speculative_tokens": spec.num_heads, "verifier_accept_k": 1}],
-            "verifier": {"architectures": list(architectures), "name_or_path": verifier},
-        },
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "target_hidden_size": None,
-        "transformer_layer_config": layer,
-        "torch_dtype": "float32",
+        **speculators_common(spec, "dflash", verifier, architectures, layer),
     }
 
 

@@ -34,6 +34,7 @@ def setup(tmp_path_factory):
     random_heads(model, "chained", 1).save_pretrained(root / "chained")
     random_heads(model, "parallel", 2).save_pretrained(root / "parallel")
     random_heads(model, "eagle3", 2).save_pretrained(root / "eagle3")
+    random_heads(model, "dflash", 3).save_pretrained(root / "dflash")
     (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS))
     replies = [{"id": i, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]}
                for i, t in enumerate(["hello hello world", "the sea is blue and the sky is blue"])]
@@ -45,6 +46,7 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     out, png = setup / "results.json", setup / "bench.png"
     rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"),
                      "--heads-parallel", str(setup / "parallel"), "--heads-eagle3", str(setup / "eagle3"),
+                     "--heads-dflash", str(setup / "dflash"),
                      "--bigram-data", str(setup / "distilled.jsonl"),
                      "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
                      "--repeats", "1", "--out", str(out), "--plot", str(png)])
@@ -57,7 +59,7 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     # tau is new tokens per target forward: at least 1, at most what one forward can accept (the deepest
     # proposal + the bonus): pld 10 lookup tokens, ngram 5 levels, bigram 4, the heads 3, the hybrid's lookup 4
     deepest = {"ar": 0, "pld": 10, "ngram": 5, "bigram": 4, "parallel": 3, "chained": 3, "chained+ngram": 4,
-               "eagle3": 2, "eagle3+ngram": 4}
+               "eagle3": 2, "eagle3+ngram": 4, "dflash": 3, "dflash+ngram": 4}
     ar_rate = res["methods"]["ar"]["tokens_per_s"]
     for name, m in res["methods"].items():
         assert set(m) == {"tokens_per_s", "tau", "speedup", "exact_match"}

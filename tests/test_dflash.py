@@ -10,15 +10,16 @@ import json
 import pytest
 import torch
 from runs import config, write_text_data
-from test_inference_greedy import float64_model, greedy_reference
+from fitted import exact_on_every_tree, fitted
+from test_inference_greedy import float64_model
 from tiny import save_tiny, tiny_tokenizer
 
-from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
+from inference import HeadsDrafter, SpeculativeGenerator
 from inference.engine.drafters import DFlashDrafter
 from medusa_train.config import LossConfig
 from medusa_train.dflash import resolve_mask_token, sample_anchors
 from medusa_train.heads import DraftHeads
-from medusa_train.losses import HeadsObjective, anchored_head_losses, chunked_head_losses
+from medusa_train.losses import anchored_head_losses, chunked_head_losses
 from medusa_train.target import target_hidden
 from medusa_train.trainer import train
 
@@ -119,43 +120,15 @@ def test_the_mask_token_comes_from_the_tokenizer_as_speculators_picks_it():
 
 
 def _trained_dflash(model, K: int = 4, iters: int = 150) -> tuple[DraftHeads, torch.Tensor]:
-    """dflash heads fitted for a few seconds to the tiny target's own greedy continuations of some prompts, so that
-    drafting after those prompts is accepted often and the checks below cross accepted paths."""
-    torch.manual_seed(0)
     heads = DraftHeads.for_target(model, "dflash", K, 2, mask_token_id=259).double()  # one layer learns far slower
-    prompts = torch.randint(0, 256, (6, 4), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        rows = model.generate(prompts, do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                              attention_mask=torch.ones_like(prompts), pad_token_id=259, eos_token_id=[])
-    feats = target_hidden(model, rows, None, heads.spec.aux_layers)
-    labels = rows.clone()
-    labels[:, :4] = -100
-    objective = HeadsObjective(heads, LossConfig(distill_weight=1.0, ce_weight=0.0, decay=0.8, chunk_size=512),
-                               anchors=0)  # a block after every position: few rows here
-    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
-    greedy = model.get_output_embeddings()(feats[..., :32]).argmax(-1)
-    for _ in range(iters):
-        loss, _ = objective(feats, greedy, rows, labels, None, model.get_input_embeddings(),
-                            model.get_output_embeddings())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return heads, prompts
+    return fitted(model, heads, iters, lr=1e-2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dflash_greedy_output_is_the_targets_on_every_tree_and_with_lookup(arch):
     model = float64_model(arch, seed=0)
     heads, prompts = _trained_dflash(model)
-    prompt = prompts[:1]
-    want = greedy_reference(model, prompt, 40, eos_token_id=[])
-    taus = []
-    for drafter in (HeadsDrafter(heads, model), HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=2)):
-        gen = SpeculativeGenerator(model, tiny_tokenizer(), drafter)
-        for tree, budget in (("static", 6), ("dynamic", 6), ("static", 1), ("static", "auto"), ([(0,), (0, 0)], 2)):
-            out = gen.generate(prompt, max_new_tokens=40, tree=tree, tree_budget=budget, eos_token_id=[])
-            assert out.token_ids.tolist() == want.tolist(), (arch, tree, budget)
-            taus.append(out.stats.tau)
+    taus = exact_on_every_tree(model, heads, prompts[:1])
     assert max(taus) > 1.5, taus  # drafts were accepted: the checks crossed accepted paths
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_inference_greedy import float64_model, greedy_reference
+from fitted import exact_on_every_tree, fitted
+from test_inference_greedy import float64_model
 from tiny import tiny_model, tiny_tokenizer
 
-from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
+from inference import HeadsDrafter, SpeculativeGenerator
 from inference.engine.drafters import DraftContext, Eagle3Drafter
-from medusa_train.config import LossConfig
 from medusa_train.eagle3 import NORMS, default_aux_layers
 from medusa_train.heads import DraftHeads
-from medusa_train.losses import HeadsObjective
 from medusa_train.target import capture_layers, target_hidden
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -92,43 +91,14 @@ def test_training_time_test_states_equal_what_the_drafter_computes_on_the_same_p
 
 
 def _trained_eagle3(model, steps: int = 3, iters: int = 150) -> tuple[DraftHeads, torch.Tensor]:
-    """eagle3 heads fitted for a few seconds to the tiny target's own greedy continuations of some prompts (returned
-    with them), so that drafting after those prompts is accepted often and the exactness checks below cross accepted
-    paths, not only roots."""
-    torch.manual_seed(0)
-    heads = DraftHeads.for_target(model, "eagle3", steps).double()
-    prompts = torch.randint(0, 256, (6, 4), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        rows = model.generate(prompts, do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                              attention_mask=torch.ones_like(prompts), pad_token_id=259, eos_token_id=[])
-    feats = target_hidden(model, rows, None, heads.spec.aux_layers)
-    labels = rows.clone()
-    labels[:, :4] = -100
-    objective = HeadsObjective(heads, LossConfig(distill_weight=1.0, ce_weight=0.0, decay=0.8, chunk_size=512))
-    opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
-    for _ in range(iters):
-        greedy = model.get_output_embeddings()(feats[..., :32]).argmax(-1)
-        loss, _ = objective(feats, greedy, rows, labels, None, model.get_input_embeddings(),
-                            model.get_output_embeddings())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return heads, prompts
+    return fitted(model, DraftHeads.for_target(model, "eagle3", steps).double(), iters)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eagle3_greedy_output_is_the_targets_on_every_tree_and_with_lookup(arch):
     model = float64_model(arch, seed=0)
     heads, prompts = _trained_eagle3(model)
-    prompt = prompts[:1]
-    want = greedy_reference(model, prompt, 40, eos_token_id=[])
-    taus = []
-    for drafter in (HeadsDrafter(heads, model), HybridDrafter(HeadsDrafter(heads, model), lookup_nodes=2)):
-        gen = SpeculativeGenerator(model, tiny_tokenizer(), drafter)
-        for tree, budget in (("static", 6), ("dynamic", 6), ("static", 1), ("static", "auto"), ([(0,), (0, 0)], 2)):
-            out = gen.generate(prompt, max_new_tokens=40, tree=tree, tree_budget=budget, eos_token_id=[])
-            assert out.token_ids.tolist() == want.tolist(), (arch, tree, budget)
-            taus.append(out.stats.tau)
+    taus = exact_on_every_tree(model, heads, prompts[:1])
     assert max(taus) > 1.5, taus  # drafts were accepted: the checks crossed accepted paths
 
 

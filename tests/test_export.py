@@ -60,10 +60,14 @@ def speculators_env_vars() -> dict[str, str]:
 
 def _eagle3_heads(root: Path, norms: tuple[str, ...] = ()):
     """A tiny Llama target on disk and eagle3 heads for it (perturbed, with a draft vocabulary, the given norms)."""
+    return _heads_on_disk(root, "eagle3", 3, norms=norms)
+
+
+def _heads_on_disk(root: Path, kind: str, num_heads: int, layers: int = 1, **kw):
+    """A tiny Llama target on disk and heads of `kind` for it, perturbed, with a draft vocabulary of 48 tokens."""
     target = save_tiny(root / "target", "llama", layers=6)
-    heads = DraftHeads.for_target(target, "eagle3", 3, draft_ids=torch.randperm(260, generator=torch.Generator()
-                                                                                  .manual_seed(0))[:48],
-                                  target_name=str(root / "target"), norms=norms)
+    heads = DraftHeads.for_target(target, kind, num_heads, layers, draft_ids=torch.randperm(
+        260, generator=torch.Generator().manual_seed(0))[:48], target_name=str(root / "target"), **kw)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in heads.parameters():
@@ -115,17 +119,7 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
 @pytest.fixture(scope="module")
 def dflash_dir(tmp_path_factory):
     """A tiny Llama target on disk and dflash heads for it: a block of 5, two layers, a draft vocabulary, perturbed."""
-    root = tmp_path_factory.mktemp("export-dflash")
-    target = save_tiny(root / "target", "llama", layers=6)
-    heads = DraftHeads.for_target(target, "dflash", 4, 2, draft_ids=torch.randperm(260, generator=torch.Generator()
-                                                                                    .manual_seed(0))[:48],
-                                  target_name=str(root / "target"), mask_token_id=257)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    heads.save_pretrained(root / "heads")
-    return root, target, heads
+    return _heads_on_disk(tmp_path_factory.mktemp("export-dflash"), "dflash", 4, 2, mask_token_id=257)
 
 
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
@@ -276,8 +270,8 @@ def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
     # every suggestion leads somewhere that works: a format these heads fit, or the recipe keys of heads that export
     cases = [
         ([str(tmp_path / "parallel"), str(tmp_path / "o1"), "--format", "speculators"],
-         r"the speculators format holds heads trained with heads.kind=eagle3, but .* holds parallel heads: export "
-         r"them with --format medusa$"),
+         r"the speculators format holds heads trained with heads.kind=eagle3\|dflash, but .* holds parallel heads: "
+         r"export them with --format medusa$"),
         ([str(root / "heads"), str(tmp_path / "o2"), "--format", "medusa"],
          "holds eagle3 heads: export them with --format speculators or eagle3$"),
         ([str(root / "heads"), str(tmp_path / "o3"), "--format", "mlp_speculator"], "holds eagle3 heads"),

@@ -96,12 +96,20 @@ def trained(request, tmp_path_factory):
     """(work dir, target model, prompts as token ids, heads dir): eagle3 heads trained for the tiny target on its own
     greedy replies, through the commands a user runs; the Qwen2 ones with all of EAGLE-3.1's norms, the Llama ones
     with the default (heads.norms auto: norm_before_fc and norm_output)."""
+    arch = request.param
+    heads = ("{kind: eagle3, num_heads: 3, context_layers: 0, draft_vocab_size: 128"
+             + (f", norms: [{', '.join(NORMS)}]" if arch == "qwen2" else "") + "}")
+    return train_tiny(tmp_path_factory.mktemp(f"vllm-{arch}"), arch, heads, "lr: 3.0e-3, max_steps: 160")
+
+
+def train_tiny(root: Path, arch: str, heads: str, train: str) -> tuple[Path, object, list[list[int]], Path]:
+    """A tiny `arch` target with vLLM-sized heads (head_dim 64), its greedy replies to most of PROMPT_TEXTS
+    (`distill`), and heads (the recipe's `heads:` mapping, `train:` settings) trained on them by `train.py`'s entry
+    point: (work dir, target, the held-out prompts as token ids, heads dir)."""
     from medusa_train import cli
     from medusa_train.distill import distill
     from medusa_train.prompts import Prompt
 
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"vllm-{arch}")
     # head_dim 64, as vLLM's CPU kernels take; weights drawn wider than transformers' default (0.02), whose tiny
     # models repeat one or two tokens: drafts right about those tell a broken export from a good one too rarely
     target = save_tiny(root / "target", arch, hidden=256, layers=4, seed=1, initializer_range=0.05)
@@ -110,10 +118,9 @@ def trained(request, tmp_path_factory):
     distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
     (root / "recipe.yaml").write_text(
         f"target: {{model: {root / 'target'}}}\n"
-        "heads: {kind: eagle3, num_heads: 3, context_layers: 0, draft_vocab_size: 128"
-        + (f", norms: [{', '.join(NORMS)}]" if arch == "qwen2" else "") + "}\n"
+        f"heads: {heads}\n"
         f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
-        "train: {batch_size: 4, lr: 3.0e-3, warmup_steps: 4, max_steps: 160, log_every: 40, seed: 0, "
+        f"train: {{batch_size: 4, {train}, warmup_steps: 4, log_every: 40, seed: 0, "
         "cache_hidden: true, save_every: 0}\n"
         "loss: {distill_weight: 1.0, ce_weight: 0.0, chunk_size: 64}\n"
         "eval: {every: 0, max_batches: 1}\n"
@@ -351,30 +358,10 @@ def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
 def trained_dflash(tmp_path_factory):
     """(work dir, target, held-out prompts as token ids, heads dir): dflash heads (a block of 4, two layers, a draft
     vocabulary) trained through the commands a user runs, on the tiny Llama's own greedy replies."""
-    from medusa_train import cli
-    from medusa_train.distill import distill
-    from medusa_train.prompts import Prompt
-
-    root = tmp_path_factory.mktemp("vllm-dflash")
-    target = save_tiny(root / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
-    tok = tiny_tokenizer()
-    prompts = [Prompt(f"p{i}", t) for i, t in enumerate(PROMPT_TEXTS)]
-    distill(target, tok, prompts[4:], root / "distill.jsonl", max_new_tokens=64, progress=False)
-    (root / "recipe.yaml").write_text(
-        f"target: {{model: {root / 'target'}}}\n"
-        f"heads: {{kind: dflash, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128, "
-        "anchors: 0}\n"  # a block after every position: 26 short rows
-        f"data: {{dataset: {root / 'distill.jsonl'}, max_length: 128, eval_size: 2}}\n"
-        "train: {batch_size: 4, lr: 1.0e-2, warmup_steps: 4, max_steps: 320, log_every: 40, seed: 0, "
-        "cache_hidden: true, save_every: 0}\n"
-        "loss: {distill_weight: 1.0, ce_weight: 0.0, chunk_size: 64}\n"
-        "eval: {every: 0, max_batches: 1}\n"
-        "tracking: {backend: none}\n"
-        f"output_dir: {root / 'heads'}\n")
-    assert cli.main([str(root / "recipe.yaml")]) == 0
-    held_out = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False) for p in prompts[:4]]
-    return root, target, held_out, root / "heads"
+    # anchors 0: a block after every position of the 26 short rows; dflash learns slower than eagle3 per step
+    heads = (f"{{kind: dflash, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128, "
+             "anchors: 0}")
+    return train_tiny(tmp_path_factory.mktemp("vllm-dflash"), "llama", heads, "lr: 1.0e-2, max_steps: 320")
 
 
 def test_vllm_serves_our_dflash_export_as_our_engine_drafts_it(trained_dflash, vllm_venv, tmp_path):
