@@ -118,7 +118,7 @@ class HeadsConfig:
     mask_token_id: int | None = None
     """dflash only: the token whose embedding (the target's, frozen) fills the block's mask slots. None: the
     tokenizer's mask token, else the first embedding row no token uses, else its pad, EOS or unknown token (the
-    order of speculators' trainer)."""
+    order of speculators' trainer), passing over rows of zeros (a padding row would give the slots no input)."""
     anchors: int | None = None
     """dflash only: blocks trained per row per step, at random positions with a supervised next-but-one token,
     redrawn every step (DFlash's random anchors); 0: a block after every position. None: DFLASH_ANCHORS."""

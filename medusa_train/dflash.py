@@ -60,21 +60,42 @@ def spec_fields(target_config: Any, num_layers: int, aux_layers: list[int] | Non
             "layer_config": layer_config(target_config, num_layers), "mask_token_id": int(mask_token_id)}
 
 
-def resolve_mask_token(tokenizer: Any, vocab_size: int, explicit: int | None = None) -> int:
-    """The mask token's id: `explicit`, else the tokenizer's mask token, else the first embedding row no token uses,
-    else its pad, EOS or unknown token (speculators' order). Its embedding is the target's row, frozen."""
+def resolve_mask_token(tokenizer: Any, embedding: torch.Tensor, explicit: int | None = None) -> int:
+    """The mask token's id: `explicit`, else the first of the tokenizer's mask token, the first embedding row no token
+    uses, its pad, EOS and unknown tokens (speculators' order) whose row of `embedding` [V, d] (the target's, frozen in
+    the block) is not all zeros: a zero row (a padding row) gives the mask slots no input, so the first layer cannot
+    tell them apart. ValueError (one line) for an explicit id out of range or with a zero row, or no candidate."""
+    vocab = embedding.shape[0]
     if explicit is not None:
+        if not 0 <= explicit < vocab:
+            raise ValueError(f"heads.mask_token_id={explicit}: the target's embedding has {vocab} rows; pick an id "
+                             "below that (or leave it unset)")
+        if not _nonzero_row(embedding, explicit):
+            raise ValueError(f"heads.mask_token_id={explicit}: its embedding row is all zeros (a padding row), so the "
+                             "block's mask slots would carry no input; pick another token (or leave it unset)")
         return int(explicit)
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer)
-    for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError("no mask token for heads.kind=dflash: the tokenizer has no mask, pad, EOS or unknown token and "
-                     "no unused embedding row; set heads.mask_token_id")
+    spare = [len(tokenizer)] if len(tokenizer) < vocab else []
+    candidates = [getattr(tokenizer, "mask_token_id", None), *spare,
+                  *(getattr(tokenizer, name, None) for name in ("pad_token_id", "eos_token_id", "unk_token_id"))]
+    for i in candidates:
+        if isinstance(i, int) and 0 <= i < vocab and _nonzero_row(embedding, i):
+            return i
+    raise ValueError("no mask token for heads.kind=dflash: the tokenizer's mask, pad, EOS and unknown tokens and its "
+                     "spare embedding rows are missing or all zeros; set heads.mask_token_id")
+
+
+def default_mask_token(config: Any, embedding: torch.Tensor) -> int:
+    """Without a tokenizer (`DraftHeads.for_target`): the config's pad or EOS token, else the last row, whichever
+    first has a row that is not all zeros."""
+    eos = getattr(config, "eos_token_id", None)
+    candidates = [getattr(config, "pad_token_id", None), *(eos if isinstance(eos, list) else [eos]),
+                  *range(embedding.shape[0] - 1, -1, -1)]
+    return next(i for i in candidates if isinstance(i, int) and 0 <= i < embedding.shape[0]
+                and _nonzero_row(embedding, i))
+
+
+def _nonzero_row(embedding: torch.Tensor, i: int) -> bool:
+    return bool(embedding[i].detach().abs().sum() > 0)
 
 
 class DFlashLayer(nn.Module):

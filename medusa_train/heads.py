@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .files import CONFIG_NAME, WEIGHTS_NAME, atomic_write, atomic_write_text, is_heads_dir
-from .target import decoder, output_signature, target_fingerprint
+from .target import decoder, output_signature, target_fingerprint, text_config
 
 FORMAT_VERSION = 1
 FINGERPRINT_ATOL = 2e-3  # cosines move ~1e-5 between fp32/bf16 copies; another model's move ~1/sqrt(d)
@@ -378,10 +378,10 @@ class DraftHeads(nn.Module):
         elif kind == "dflash":
             from .dflash import spec_fields as dflash_fields
 
-            if mask_token_id is None:  # the trainer resolves it from the tokenizer (`medusa_train.dflash`)
-                mask_token_id = next((i for i in (getattr(target.config, "pad_token_id", None),
-                                                  getattr(target.config, "eos_token_id", None))
-                                      if isinstance(i, int)), out.shape[0] - 1)
+            if mask_token_id is None:  # the trainer resolves it from the tokenizer (`dflash.resolve_mask_token`)
+                from .dflash import default_mask_token
+
+                mask_token_id = default_mask_token(text_config(target.config), emb)
             reader = dflash_fields(target.config, layers_per_head, aux_layers, mask_token_id)
         if kind in ("eagle3", "dflash"):
             if draft_ids is not None:  # ascending, as speculators' t2d mask orders the draft vocabulary

@@ -186,14 +186,10 @@ def setup_heads(cfg: Config, target: torch.nn.Module, train_ds, tokenizer) -> Dr
     if h.kind == "dflash":
         from .dflash import resolve_mask_token
 
-        vocab = target.get_input_embeddings().weight.shape[0]
         try:
-            mask_token_id = resolve_mask_token(tokenizer, vocab, h.mask_token_id)
+            mask_token_id = resolve_mask_token(tokenizer, target.get_input_embeddings().weight, h.mask_token_id)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not 0 <= mask_token_id < vocab:
-            raise ConfigError(f"heads.mask_token_id={mask_token_id}: the target's embedding has {vocab} rows; pick an "
-                              "id below that (or leave it unset)")
     draft_ids = None
     vocab = target.get_output_embeddings().weight.shape[0]
     if n := h.draft_vocab(vocab):

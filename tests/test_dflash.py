@@ -28,7 +28,7 @@ ARCHS = ["llama", "qwen2", "mistral"]
 
 def _heads(model, K: int = 4, layers: int = 2, draft: int = 0, seed: int = 0) -> DraftHeads:
     draft_ids = torch.arange(0, 260, 260 // draft) if draft else None
-    heads = DraftHeads.for_target(model, "dflash", K, layers, draft_ids=draft_ids, mask_token_id=259)
+    heads = DraftHeads.for_target(model, "dflash", K, layers, draft_ids=draft_ids)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -112,15 +112,26 @@ def test_anchors_are_distinct_sorted_supervised_and_redrawn():
     assert len(seen) > 5  # redrawn: different anchors from call to call
 
 
-def test_the_mask_token_comes_from_the_tokenizer_as_speculators_picks_it():
-    tok = tiny_tokenizer()  # no mask token, no spare embedding row: its pad token
-    assert resolve_mask_token(tok, 260) == tok.pad_token_id == 259
-    assert resolve_mask_token(tok, 300) == 260  # the first embedding row no token uses
-    assert resolve_mask_token(tok, 260, explicit=7) == 7
+def test_the_mask_token_comes_from_the_tokenizer_as_speculators_picks_it_skipping_zero_rows():
+    """speculators' order (the tokenizer's mask token, a spare embedding row, pad, EOS, unknown), passing over a row
+    of zeros (a padding row: the mask slots would get no input, and the first layer could not tell them apart)."""
+    tok = tiny_tokenizer()  # no mask token; pad 259, EOS 258
+    embedding = torch.randn(260, 8)
+    assert resolve_mask_token(tok, embedding) == tok.pad_token_id == 259
+    assert resolve_mask_token(tok, torch.randn(300, 8)) == 260  # the first embedding row no token uses
+    embedding[259] = 0.0  # the pad row of a model with padding_idx
+    assert resolve_mask_token(tok, embedding) == tok.eos_token_id == 258
+    assert resolve_mask_token(tok, embedding, explicit=7) == 7
+    for bad, message in ((259, "all zeros"), (260, "has 260 rows")):
+        with pytest.raises(ValueError, match=message):
+            resolve_mask_token(tok, embedding, explicit=bad)
+    model = float64_model("llama", seed=0)  # pad 259 is its padding_idx: a zero row
+    assert not model.get_input_embeddings().weight[259].any()
+    assert DraftHeads.for_target(model, "dflash", 2).spec.mask_token_id == 258
 
 
 def _trained_dflash(model, K: int = 4, iters: int = 150) -> tuple[DraftHeads, torch.Tensor]:
-    heads = DraftHeads.for_target(model, "dflash", K, 2, mask_token_id=259).double()  # one layer learns far slower
+    heads = DraftHeads.for_target(model, "dflash", K, 2).double()
     return fitted(model, heads, iters, lr=1e-2)
 
 
@@ -169,7 +180,7 @@ def test_dflash_heads_train_through_the_same_loop_cache_their_layers_and_resume(
     from transformers import AutoModelForCausalLM
 
     plain = train(config(ws, "plain", "train.max_steps=12", "train.save_every=6"))
-    fresh = DraftHeads.for_target(plain.target, "dflash", 3, 2, mask_token_id=259)
+    fresh = DraftHeads.for_target(plain.target, "dflash", 3, 2, mask_token_id=258)
     trained = dict(plain.heads.named_parameters())
     for name, p0 in fresh.named_parameters():
         moved = not torch.equal(p0, trained[name].detach().cpu())
@@ -177,7 +188,8 @@ def test_dflash_heads_train_through_the_same_loop_cache_their_layers_and_resume(
     on_disk = AutoModelForCausalLM.from_pretrained(ws / "model", dtype=torch.float32).state_dict()
     assert all(torch.equal(w, plain.target.state_dict()[k]) for k, w in on_disk.items())
     spec = json.loads((ws / "plain" / "config.json").read_text())
-    assert spec["kind"] == "dflash" and spec["mask_token_id"] == 259 and spec["aux_layers"] == [1, 2]
+    # the tokenizer's pad (259) is the model's padding row, all zeros: its EOS instead
+    assert spec["kind"] == "dflash" and spec["mask_token_id"] == 258 and spec["aux_layers"] == [1, 2]
     assert spec["layer_config"]["num_hidden_layers"] == 2 and spec["layer_config"]["model_type"] == "qwen3"
     metrics = [json.loads(x) for x in (ws / "plain" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/head3/top1_target" in m for m in metrics) and any("eval/expected_tau" in m for m in metrics)
