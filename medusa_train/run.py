@@ -28,7 +28,7 @@ from .optim import build_optimizer
 from .preflight import check_before_loading
 from .processes import check_joint_distributed, say_processes, setup_accelerator
 from .sharding import describe as describe_sharding
-from .sharding import check_shardable, shard_target, take_over_fsdp2
+from .sharding import check_shardable, shard_target, take_over_sharding
 from .target import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
 from .target_states import TargetStates
 from .tau import tau_prompt_ids
@@ -75,9 +75,9 @@ def setup(cfg: Config) -> Run:
     ckpt = resume_checkpoint(cfg)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     check_before_loading(cfg)
-    sharded = take_over_fsdp2()  # the target sharded by us, the heads under DDP (medusa_train/sharding.py)
+    sharded = take_over_sharding()  # the target sharded by us, the heads under DDP (medusa_train/sharding.py)
     if sharded:
-        check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")), sharded)
     accelerator = setup_accelerator(cfg)
     say_processes(accelerator)
     for change in allowed:
@@ -119,21 +119,22 @@ def setup(cfg: Config) -> Run:
     forward_target = setup_forward_target(cfg, target, accelerator.device)
     heads = setup_heads(cfg, target, train_ds, tokenizer)
     if sharded:
-        sizes = shard_target(target, accelerator.device)
+        sizes = shard_target(target, accelerator.device, sharded)
         heads.to(accelerator.device)
-        accelerator.print(describe_sharding(sizes))
+        accelerator.print(describe_sharding(sizes, sharded))
         if accelerator.is_main_process and ckpt is None:  # the main process's share, in the run's own record
             with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
                 f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}) + "\n")
     n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    n_target = sum(p.numel() for p in target.parameters())
+    n_target = sum(getattr(p, "ds_numel", p.numel()) for p in target.parameters())  # ZeRO-3: whole sizes
     n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
         f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
         if peft is not None else f"target frozen ({n_target:,} params)"))
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
                           cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
-                          layers=heads.spec.aux_layers, lockstep=sharded)
+                          layers=heads.spec.aux_layers,
+                          lockstep=sharded is not None and accelerator.num_processes > 1)
     if states.rows:
         accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
 
