@@ -76,7 +76,8 @@ class Meter:
         row.update({"train/loss": float(loss), "train/lr": lr, "train/grad_norm": float(self.grad_norm),
                     "train/tokens_per_s": tokens / (time.perf_counter() - self.t0),
                     "train/epoch": position["epoch"], "train/tokens": position["tokens"],
-                    "train/skipped_steps": self.skipped_steps})
+                    "train/skipped_steps": self.skipped_steps,
+                    "train/peak_memory_gib": peak_memory_gib(accelerator.device)})
         if self.lm_kl is not None:  # how far the adapted target is from the original, on the training batches
             kl = accelerator.reduce(self.lm_kl, "sum")
             row["train/lm_kl"] = float(kl[0] / kl[1].clamp_min(1))
@@ -85,6 +86,16 @@ class Meter:
         self.micro_steps = 0
         self.restart_clock()
         return row
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far, in GiB: what torch allocated on a CUDA device, the resident set of the
+    process otherwise (Linux's ru_maxrss, in KiB). The main process's, which a sharded run's others match."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 def log_row(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:

@@ -93,8 +93,10 @@ def test_outputs_metrics_and_checkpoints(ws, run20):
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20]  # one row per log step
     for key in ("train/head1/top1_target", "train/head3/top5_data", "train/lr", "train/grad_norm",
-                "train/tokens_per_s", "train/head2/kl", "train/head2/ce"):
+                "train/tokens_per_s", "train/head2/kl", "train/head2/ce", "train/peak_memory_gib"):
         assert all(key in r for r in train_rows), key
+    peaks = [r["train/peak_memory_gib"] for r in train_rows]  # this process's resident set on a CPU: a peak
+    assert 0.05 < peaks[0] and peaks == sorted(peaks)
     assert [r["step"] for r in rows if "eval/expected_tau" in r] == [10, 20]  # eval.every and the final eval
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-10", "step-20"]
     assert json.loads((out / "checkpoints/step-10/trainer_state.json").read_text())["step"] == 10
