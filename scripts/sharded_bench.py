@@ -154,9 +154,10 @@ def main(argv=None) -> int:
         r["max_diff_vs_reference"] = max_diff(ref["heads"], r["heads"]) if ref else None
     report = {"shape": args.shape, "device": args.device, "dtype": dtype, "kind": args.kind, "steps": args.steps,
               "batch": args.batch, "max_length": args.max_length, "results": results}
-    if args.device == "cuda":
-        import torch
+    import torch
 
+    report["torch"] = torch.__version__
+    if args.device == "cuda":
         report["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     (args.out / "sharded.json").write_text(json.dumps(report, indent=2) + "\n")
     print("| config | processes | target MiB held / whole | peak GiB (main process) | tokens/s | heads' max diff |\n"
