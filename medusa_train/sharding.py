@@ -170,6 +170,14 @@ def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device
         os.environ.setdefault("LOCAL_RANK", "0")
         torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                              world_size=1)
+    if device.type == "cpu":
+        # on CPUs DeepSpeed's communication wrapper compiles a shared-memory all-reduce (C++, ~30 s, a compiler
+        # needed) that ZeRO-3's gathers never use: they go through torch's collectives over gloo
+        import importlib
+
+        ds_torch = importlib.import_module("deepspeed.comm.torch")  # (the package's own `torch` attribute is torch)
+        if hasattr(ds_torch, "build_shm_op"):
+            ds_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
     # DeepSpeed gathers with torch's older name for the same collective: its warning, once a process, is not the user's
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
