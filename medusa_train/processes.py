@@ -141,6 +141,19 @@ def all_agree_to_stop(accelerator, requested: bool) -> bool:
     return bool(accelerator.reduce(flag, "max") > 0)
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module `accelerator.prepare` wrapped (in torch.compile, DDP or FSDP v1). Accelerate's own unwrap_model also
+    tests for DeepSpeed's engine, which imports deepspeed wherever it is installed (0.7 s a process) and never wraps
+    what this trainer prepares: a DeepSpeed launch is taken over (sharding.py) and the heads train under DDP."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper (Accelerate's dynamo_backend)
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel,
+                             FullyShardedDataParallel)):
+        model = model.module
+    return model
+
+
 def full_params(accelerator, model, writeback: bool = False):
     """A context in which `model`'s own parameters are whole on every process: FSDP gathers its shards
     (for eval and the final save; with `writeback`, what is written into them is sharded back on exit); DDP and

@@ -26,7 +26,7 @@ from .losses import HeadsObjective
 from .metrics import setup_tracking
 from .optim import build_optimizer
 from .preflight import check_before_loading
-from .processes import check_joint_distributed, say_processes, setup_accelerator
+from .processes import check_joint_distributed, say_processes, setup_accelerator, unwrapped
 from .sharding import describe as describe_sharding
 from .sharding import check_shardable, shard_target, take_over_sharding
 from .target import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
@@ -148,7 +148,7 @@ def setup(cfg: Config) -> Run:
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
     setup_tracking(accelerator, cfg)
-    run = Run(cfg, accelerator, target, states, accelerator.unwrap_model(objective).heads, objective, optimizer,
+    run = Run(cfg, accelerator, target, states, unwrapped(objective).heads, objective, optimizer,
               scheduler, train_dl, eval_dl, total_steps, peft=peft)
     resume(run, ckpt)
     setup_best(run, eval_ds is not None, resumed=ckpt is not None)
