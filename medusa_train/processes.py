@@ -82,12 +82,26 @@ def launcher_asked_for() -> int | None:
     return None
 
 
-def say_processes(accelerator) -> None:
+def set_aside_fsdp_on_cpus() -> bool:
+    """FSDP v1 over the heads (fsdp.yaml) on a machine without a GPU: Accelerate's FSDP plugin stops there with a
+    traceback, so its switch is removed from this process's environment and the heads train under DDP, which gives
+    the same heads (said by `say_processes`). Returns whether it was set aside (call before the Accelerator is made;
+    FSDP2 is taken over before this, by sharding.py)."""
+    if torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return False
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    return True
+
+
+def say_processes(accelerator, fsdp_set_aside: bool = False) -> None:
     """How many processes run, on what: the first line of every run. `accelerate launch --cpu --num_processes N` runs
     one process whatever N is (several CPU processes need its mpirun support, or torchrun): said, with the fix."""
     backend = getattr(getattr(accelerator, "state", None), "backend", None) or "none"
     accelerator.print(f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}, backend "
                       f"{backend}, device {accelerator.device.type})")
+    if fsdp_set_aside:
+        accelerator.print("warning: the launch config asks for FSDP over the heads (fsdp.yaml), which Accelerate "
+                          "runs only on GPUs: here the heads train replicated under DDP (the same heads)")
     asked = launcher_asked_for() if accelerator.num_processes == 1 else None
     if asked and asked > 1:
         accelerator.print(f"warning: accelerate launch was asked for {asked} processes but started 1: on CPUs it "

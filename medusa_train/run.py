@@ -26,7 +26,7 @@ from .losses import HeadsObjective
 from .metrics import setup_tracking
 from .optim import build_optimizer
 from .preflight import check_before_loading
-from .processes import check_joint_distributed, say_processes, setup_accelerator, unwrapped
+from .processes import check_joint_distributed, say_processes, set_aside_fsdp_on_cpus, setup_accelerator, unwrapped
 from .sharding import describe as describe_sharding
 from .sharding import check_shardable, shard_target, take_over_sharding
 from .target import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
@@ -78,8 +78,9 @@ def setup(cfg: Config) -> Run:
     sharded = take_over_sharding()  # the target sharded by us, the heads under DDP (medusa_train/sharding.py)
     if sharded:
         check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")), sharded)
+    fsdp_set_aside = set_aside_fsdp_on_cpus()
     accelerator = setup_accelerator(cfg)
-    say_processes(accelerator)
+    say_processes(accelerator, fsdp_set_aside)
     for change in allowed:
         accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
     set_seed(cfg.train.seed)

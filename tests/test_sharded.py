@@ -166,6 +166,16 @@ def test_each_refusal_names_its_key_and_the_fix(ws, override, says):
         check_shardable(config(ws, "one-zero3", "data.eval_size=4"), world_size=1, sharding=Sharding("zero3"))
 
 
+def test_fsdp_over_the_heads_on_cpus_says_that_it_runs_as_ddp(ws, tmp_path):
+    """fsdp.yaml (FSDP v1 over the heads) is Accelerate's to run, on GPUs only (on CPUs its plugin stopped with a
+    traceback): on CPUs the heads train under DDP, and the run says so."""
+    proc = launch(ws, tmp_path / "fsdp1", "train.max_steps=2", "data.eval_size=0", "eval.every=0", config="fsdp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes: 2 (MULTI_CPU, backend gloo" in proc.stdout
+    assert "warning: the launch config asks for FSDP over the heads (fsdp.yaml), which Accelerate runs only on " \
+           "GPUs: here the heads train replicated under DDP (the same heads)" in proc.stdout
+
+
 def test_a_deepspeed_stage_that_would_shard_the_heads_is_refused_at_launch(ws, tmp_path):
     proc = launch(ws, tmp_path / "zero2", "train.max_steps=2", config="deepspeed_zero3", flags=("--zero_stage", "2"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
