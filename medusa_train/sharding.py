@@ -182,7 +182,8 @@ def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device
     # DeepSpeed gathers with torch's older name for the same collective: its warning, once a process, is not the user's
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    offload_config = DeepSpeedZeroOffloadParamConfig(device="cpu", pin_memory=device.type == "cuda") if offload \
+    # not pinned (DeepSpeed's default): pinning a large target's layers can exceed a container's locked-memory limit
+    offload_config = DeepSpeedZeroOffloadParamConfig(device="cpu", pin_memory=False) if offload \
         else None
     target.medusa_zero3 = [DeepSpeedZeRoOffload(layer, timers=None, ds_config=config, param_persistence_threshold=0,
                                                 offload_param_config=offload_config) for layer in layers]
