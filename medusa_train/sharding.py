@@ -43,9 +43,12 @@ class Sharding:
     offload: bool = False
 
     @property
+    def engine(self) -> str:
+        return "FSDP2" if self.how == "fsdp2" else "DeepSpeed ZeRO-3"
+
+    @property
     def name(self) -> str:
-        return "FSDP2" if self.how == "fsdp2" else "DeepSpeed ZeRO-3" + (" with its shards in CPU memory"
-                                                                      if self.offload else "")
+        return self.engine + (" with its shards in CPU memory" if self.offload else "")
 
 
 def sharding_requested() -> Sharding | None:
@@ -216,8 +219,7 @@ def describe(sizes: dict[str, int], sharding: Sharding = Sharding("fsdp2")) -> s
         return f"{sizes[key] / scale:.1f}"
 
     n = sizes["processes"]
-    name = "FSDP2" if sharding.how == "fsdp2" else "DeepSpeed ZeRO-3"
-    over = f"target sharded over {n} process{'es' if n != 1 else ''} ({name}, one unit per decoder layer"
+    over = f"target sharded over {n} process{'es' if n != 1 else ''} ({sharding.engine}, one unit per decoder layer"
     if sharding.offload:
         rest = (sizes["whole"] - sizes["layers_whole"]) / scale
         return (f"{over}, kept in CPU memory): decoder layers {size('layers_here')} of {size('layers_whole')} {unit} "
