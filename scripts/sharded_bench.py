@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,14 +64,12 @@ def make_target(out: Path, shape: str, dtype: str) -> Path:
     return path
 
 
-def launch(name: str, out: Path, recipe: Path, processes: int, device: str, batch: int) -> dict:
-    """One run of the recipe under config `name`; what it measured, or why it did not run. The heads train in float32
-    under every config (`--mixed_precision no`), so that their runs compare."""
-    config, n, flags = CONFIGS[name]
-    n = processes if n == "n" else n
+def launch(name: str, out: Path, recipe: Path, n: int, device: str, batch: int) -> dict:
+    """One run of the recipe under config `name` on `n` processes; what it measured, or why it did not run. The heads
+    train in float32 under every config (`--mixed_precision no`), so that their runs compare."""
+    config, _, flags = CONFIGS[name]
     run_dir = out / name
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
     args = [str(ROOT / "train.py"), str(recipe), f"train.batch_size={batch}", f"output_dir={run_dir}"]
     if config is None:
         cmd = [sys.executable, *args]
@@ -141,12 +140,13 @@ def main(argv=None) -> int:
                       "save_every: 0}\neval: {every: 0, tau_every: 0}\n")
     results = []
     for name in args.configs.split(","):
-        n = args.processes if CONFIGS[name][1] == "n" else 1
-        if n < 2 and CONFIGS[name][1] == "n":
+        several = CONFIGS[name][1] == "n"
+        n = args.processes if several else 1
+        if several and n < 2:
             results.append({"config": name, "processes": n, "ran": False, "why": "needs 2 or more GPUs"})
             continue
         print(f"{name}: {n} process{'es' if n > 1 else ''} ...", flush=True)
-        results.append(launch(name, args.out, recipe, args.processes, args.device, args.batch))
+        results.append(launch(name, args.out, recipe, n, args.device, args.batch))
     ran = [r for r in results if r["ran"]]
     for r in ran:  # against the unsharded run with as many processes
         ref = next((q for q in ran if q["config"] in ("single", "ddp") and q["processes"] == r["processes"]), None)
