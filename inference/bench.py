@@ -1,17 +1,17 @@
-"""Side-by-side benchmark: plain decoding, transformers' prompt lookup, and our engine with n-gram, bigram,
-parallel (Medusa-1) and chained heads, on the same prompts, greedy, with a fixed `max_new_tokens`.
+"""Side-by-side benchmark: plain decoding, transformers' prompt lookup, and our engine with n-gram, bigram and
+trained heads of any kind, on the same prompts, greedy, with a fixed `max_new_tokens`.
 
-    python -m inference.bench --heads runs/demo/heads-chained --heads-parallel runs/demo/heads-parallel \\
+    python -m inference.bench --heads runs/demo/heads-chained runs/demo/heads-parallel \\
         --prompts question.jsonl --max-new-tokens 128 --out results.json --plot bench.png
 
 Methods (every speedup is over `ar`, measured in the same run):
 - `ar`: the target's plain `generate(do_sample=False)`;
 - `pld`: `generate(prompt_lookup_num_tokens=...)`, what transformers gives for free;
 - `ngram`, `bigram`: draft-free drafters in our engine (`NGramDrafter`, `BigramDrafter`);
-- `parallel`, `chained`, `eagle3`, `dflash`: trained heads (`--heads-parallel`, `--heads`, `--heads-eagle3`,
-  `--heads-dflash`) in our engine;
-- `chained+ngram`, `eagle3+ngram`, `dflash+ngram`: those heads' tree with the n-gram lookup's continuation grafted on
-  (`HybridDrafter`; the lookup takes up to `--lookup-nodes` of each step's budget).
+- `chained`, `parallel`, `eagle3`, `dflash` (each kind's name): the trained heads of that kind among `--heads` (one
+  directory a kind) in our engine;
+- `chained+ngram`, ... (a kind's name and `+ngram`): those heads' tree with the n-gram lookup's continuation grafted
+  on (`HybridDrafter`; the lookup takes up to `--lookup-nodes` of each step's budget).
 
 Methods run interleaved per prompt (the order rotates from prompt to prompt) after a warm-up, `--repeats`
 times, so machine drift hits all alike. Per method: tokens/s (all new tokens over all seconds), tau (new
@@ -36,12 +36,13 @@ import torch
 from torch import nn
 
 from inference.generate import parse_tree_budget
-from medusa_train.errors import ArgumentParser
+from medusa_train.base.errors import ArgumentParser
+from medusa_train.kinds import KINDS
 
-ALL_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram", "parallel", "chained", "chained+ngram", "eagle3",
-               "eagle3+ngram", "dflash", "dflash+ngram")
-HEADS_OPTIONS = {"chained": "heads", "parallel": "heads_parallel", "eagle3": "heads_eagle3", "dflash": "heads_dflash"}
-"""The option naming each method's heads directory (a `+ngram` method: its heads' method's)."""
+PLAIN_METHODS = ("ar", "ar-compiled", "pld", "ngram", "bigram")
+ALL_METHODS = PLAIN_METHODS + tuple(m for kind in KINDS for m in (kind, f"{kind}+ngram"))
+"""Every method, in the order the table lists them: the draft-free ones, then each kind's heads, alone and with the
+n-gram lookup grafted on."""
 
 
 class BenchError(ValueError):
@@ -77,12 +78,12 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
     training split never uses). `stride` keeps every stride-th prompt (MT-Bench is ordered by category, so
     stride 2 keeps 5 of each category's 10), then `limit` the first N of those."""
     if source == "default":
-        from medusa_train.prompts import default_prompts
+        from medusa_train.data.prompts import default_prompts
 
         texts = [t for _, t in default_prompts("heldout")]
     else:
         from medusa_train.config import ConfigError
-        from medusa_train.prompts import load_prompts
+        from medusa_train.data.prompts import load_prompts
 
         try:
             texts = [p.text for p in load_prompts(source)]
@@ -96,13 +97,13 @@ def describe_prompts(source: str, n: int, stride: int = 1) -> str:
     """What the benchmark ran on, in words, for the table, the JSON and the plot's title."""
     every = f", every {stride}th" if stride > 1 else ""
     if source == "default":
-        return f"{n} held-out prompts of the offline default pool{every} (medusa_train/prompts.py)"
+        return f"{n} held-out prompts of the offline default pool{every} (medusa_train/data/prompts.py)"
     return f"{n} prompts of {Path(source).name}{every}"
 
 
 def render(tokenizer, text: str) -> torch.Tensor:
     """The prompt as one user turn through the chat template (raw text if the tokenizer has none): [1, T]."""
-    from medusa_train.chat import render_prompt
+    from medusa_train.data.chat import render_prompt
 
     ids = render_prompt(tokenizer, text) if getattr(tokenizer, "chat_template", None) else tokenizer(text)["input_ids"]
     return torch.tensor([list(ids)], dtype=torch.long)
@@ -125,9 +126,9 @@ def bigram_texts(path: str) -> list[str]:
     """Texts to count bigrams on: the assistant replies of chat rows, else a `text` or answer field (the
     trainer's `ANSWER_KEYS`), from whatever the trainer reads (a JSONL file, a directory of them, a hub name)."""
     from medusa_train.config import DataConfig
-    from medusa_train.data import load_raw
-    from medusa_train.errors import DataError
-    from medusa_train.formats import ANSWER_KEYS, rows_to_messages
+    from medusa_train.data.rows import load_raw
+    from medusa_train.base.errors import DataError
+    from medusa_train.data.formats import ANSWER_KEYS, rows_to_messages
 
     out = []
     for row in load_raw(DataConfig(dataset=path)):
@@ -348,10 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="target model directory or name (default: the one the heads "
                                                    "name)")
-    p.add_argument("--heads", default=None, help="chained heads directory (method `chained`)")
-    p.add_argument("--heads-parallel", default=None, help="parallel (Medusa-1) heads directory (method `parallel`)")
-    p.add_argument("--heads-eagle3", default=None, help="eagle3 heads directory (methods `eagle3`, `eagle3+ngram`)")
-    p.add_argument("--heads-dflash", default=None, help="dflash heads directory (methods `dflash`, `dflash+ngram`)")
+    p.add_argument("--heads", nargs="+", action="extend", default=[], metavar="DIR",
+                   help="trained heads directories, one a kind: each gives the methods named by its kind (`chained`, "
+                        "`chained+ngram`, `parallel`, ...)")
+    # the flags that named heads by kind before --heads took any kind: still read, as one more --heads directory
+    for kind in KINDS:
+        p.add_argument(f"--heads-{kind}", dest="heads", action="append", help=argparse.SUPPRESS)
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
@@ -402,16 +405,34 @@ def _heads_training_data(heads_dir: str | None) -> str | None:
     return path if path and Path(path).is_dir() and any(Path(path).glob("*.jsonl")) else None
 
 
+def heads_by_kind(dirs: Sequence[str]) -> dict[str, str]:
+    """kind -> its heads directory, from each directory's config.json (BenchError: one missing, or two of a kind)."""
+    from medusa_train.kinds import load_spec
+
+    found: dict[str, str] = {}
+    for d in dirs:
+        if not Path(d).exists():
+            raise BenchError(f"--heads: not found: {d}")
+        try:
+            kind = load_spec(d).kind
+        except (FileNotFoundError, ValueError) as e:
+            raise BenchError(f"--heads: {e}") from None
+        if kind in found:
+            raise BenchError(f"--heads: {found[kind]} and {d} both hold {kind} heads: bench them in separate runs")
+        found[kind] = d
+    return found
+
+
 def resolve_methods(args: argparse.Namespace) -> list[str]:
-    """The methods to run, checked against the inputs given (errors name the missing option)."""
+    """The methods to run, checked against the inputs given (errors name the missing option); sets `args.heads_dirs`
+    (method's kind -> its heads directory) and fills `args.bigram_data` and `args.target` from the heads when unset."""
+    args.heads_dirs = heads_by_kind(args.heads)
     if args.bigram_data is None:
-        args.bigram_data = _heads_training_data(args.heads) or _heads_training_data(args.heads_parallel)
+        args.bigram_data = next(filter(None, map(_heads_training_data, args.heads)), None)
     if args.methods is None:
-        methods = ["ar"] + (["ar-compiled"] if args.compile else []) + ["pld", "ngram"] + \
-                  (["bigram"] if args.bigram_data else []) + \
-                  (["parallel"] if args.heads_parallel else []) + (["chained", "chained+ngram"] if args.heads else []) \
-                  + (["eagle3", "eagle3+ngram"] if args.heads_eagle3 else []) \
-                  + (["dflash", "dflash+ngram"] if args.heads_dflash else [])
+        given = {"ar", "pld", "ngram"} | ({"ar-compiled"} if args.compile else set()) \
+            | ({"bigram"} if args.bigram_data else set()) | {m for k in args.heads_dirs for m in (k, f"{k}+ngram")}
+        methods = [m for m in ALL_METHODS if m in given]
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in methods if m not in ALL_METHODS]
@@ -419,67 +440,59 @@ def resolve_methods(args: argparse.Namespace) -> list[str]:
             raise BenchError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
         if "ar" not in methods:
             methods.insert(0, "ar")  # the reference for speedup and exact_match
-    need = {"bigram": ("--bigram-data", args.bigram_data)}
-    for m in ALL_METHODS:
-        if m.removesuffix("+ngram") in HEADS_OPTIONS:
-            option = HEADS_OPTIONS[m.removesuffix("+ngram")]
-            need[m] = ("--" + option.replace("_", "-"), getattr(args, option))
     for m in methods:
-        if m in need and not need[m][1]:
-            raise BenchError(f"method {m} needs {need[m][0]}")
-        if m in need and not Path(need[m][1]).exists():
-            raise BenchError(f"{need[m][0]}: not found: {need[m][1]}")
+        if m == "bigram" and not args.bigram_data:
+            raise BenchError("method bigram needs --bigram-data")
+        if m == "bigram" and not Path(args.bigram_data).exists():
+            raise BenchError(f"--bigram-data: not found: {args.bigram_data}")
+        if m not in PLAIN_METHODS and m.removesuffix("+ngram") not in args.heads_dirs:
+            raise BenchError(f"method {m} needs --heads with {m.removesuffix('+ngram')} heads")
     if args.target is None:
-        from medusa_train.heads import load_spec
+        from medusa_train.kinds import load_spec
 
-        for d in (getattr(args, option) for option in HEADS_OPTIONS.values()):
-            if d and load_spec(d).target_name:
-                args.target = load_spec(d).target_name
-                break
-        else:
+        args.target = next((load_spec(d).target_name for d in args.heads if load_spec(d).target_name), None)
+        if args.target is None:
             raise BenchError("--target is required (no heads directory names its target)")
     return methods
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; exit code 2 on bad input, before any model is loaded."""
-    args = build_parser().parse_args(argv)
-    try:
-        for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
-                                 ("--stride", args.stride, 1), ("--warmup", args.warmup, 0), ("--limit", args.limit, 0),
-                                 ("--lookup-nodes", args.lookup_nodes, 0)):
-            if value < low:
-                raise BenchError(f"{flag} must be >= {low}, got {value}")
-        budget = parse_tree_budget(args.tree_budget)
-        methods = resolve_methods(args)
-        texts = load_bench_prompts(args.prompts, args.limit, args.stride)
-        against = load_replies(args.replies_against, len(texts)) if args.replies_against else None
-    except (BenchError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], list[list[int]] | None, str | int]:
+    """Everything that can be refused before a model loads: (methods, prompt texts, the --replies-against replies,
+    the tree budget). BenchError / ValueError naming the option."""
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
+                             ("--stride", args.stride, 1), ("--warmup", args.warmup, 0), ("--limit", args.limit, 0),
+                             ("--lookup-nodes", args.lookup_nodes, 0)):
+        if value < low:
+            raise BenchError(f"{flag} must be >= {low}, got {value}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - checked now, not after the whole benchmark has run
+        except ImportError:
+            raise BenchError("--plot needs matplotlib: pip install matplotlib (or medusa-train[bench]), or drop "
+                             "--plot") from None
+    budget = parse_tree_budget(args.tree_budget)
+    methods = resolve_methods(args)
+    texts = load_bench_prompts(args.prompts, args.limit, args.stride)
+    against = load_replies(args.replies_against, len(texts)) if args.replies_against else None
+    return methods, texts, against, budget
 
+
+def load_bench_target(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[nn.Module, Any, str]:
+    """The target every method runs (with the adapter the heads were trained for merged in), its tokenizer and what
+    its linear layers run on; BenchError if the heads were trained for different targets."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
     from inference.engine.kernels import use_onednn_linear
-    from inference.engine.support import context_limit
-    from medusa_train.files import atomic_write_text, write_json
-    from medusa_train.heads import load_spec
-    from medusa_train.target import (default_device, merge_recorded_adapter, pad_id, recorded_adapter,
-                                     resolve_dtype)
+    from medusa_train.kinds import load_spec
+    from medusa_train.target.model import default_device, merge_recorded_adapter, recorded_adapter, resolve_dtype
 
     device = default_device(args.device)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"[bench] loading {args.target} on {device}; methods: {', '.join(methods)}; {len(texts)} prompts, "
-        f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    dtype = resolve_dtype(args.dtype, device)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
-    fingerprints = [load_spec(d).target_fingerprint for d in (getattr(args, o) for o in HEADS_OPTIONS.values()) if d]
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=resolve_dtype(args.dtype, device))
+    fingerprints = [load_spec(d).target_fingerprint for d in args.heads]
     adapters = {recorded_adapter(fp) for fp in fingerprints}
     if len(adapters) > 1:
-        log(f"error: the heads were trained for different targets (adapters {sorted(map(str, adapters))})")
-        return 2
+        raise BenchError(f"the heads were trained for different targets (adapters {sorted(map(str, adapters))})")
     if fingerprints:  # heads for base + adapter: every method runs that target, ar included
         target = merge_recorded_adapter(target, fingerprints[0], args.target)
     target = target.to(device).eval()
@@ -489,29 +502,80 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                pack=args.cpu_linear == "onednn"):
         # shared by every method, `ar` included
         kernels = ", float32 linear layers on oneDNN" + (" (packed weights)" if args.cpu_linear == "onednn" else "")
+    return target, tokenizer, kernels
+
+
+def build_runners(args: argparse.Namespace, methods: list[str], target: nn.Module, tokenizer, budget: str | int
+                  ) -> tuple[dict[str, Runner], dict[str, Any], dict[str, dict[str, int]]]:
+    """One runner per method; the engine's generators and their per-method counts (tree nodes, steps)."""
+    from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator
+    from medusa_train.target.model import pad_id
+
     pad = pad_id(tokenizer)
+    plain = {"ar": lambda: hf_runner(target, pad), "ar-compiled": lambda: hf_runner(target, pad, compiled=True),
+             "pld": lambda: hf_runner(target, pad, args.pld_tokens)}
     runners: dict[str, Runner] = {}
     generators: dict[str, SpeculativeGenerator] = {}
     counts: dict[str, dict[str, int]] = {}
     for m in methods:
-        if m == "ar":
-            runners[m] = hf_runner(target, pad)
-        elif m == "ar-compiled":
-            runners[m] = hf_runner(target, pad, compiled=True)
-        elif m == "pld":
-            runners[m] = hf_runner(target, pad, args.pld_tokens)
+        if m in plain:
+            runners[m] = plain[m]()
+            continue
+        if m == "ngram":
+            drafter = NGramDrafter()
+        elif m == "bigram":
+            drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
         else:
-            if m == "ngram":
-                drafter = NGramDrafter()
-            elif m == "bigram":
-                drafter = BigramDrafter.from_texts(bigram_texts(args.bigram_data), tokenizer, args.bigram_top_k)
-            else:
-                drafter = HeadsDrafter.from_pretrained(getattr(args, HEADS_OPTIONS[m.removesuffix("+ngram")]), target)
-                if m.endswith("+ngram"):
-                    drafter = HybridDrafter(drafter, lookup_nodes=args.lookup_nodes)
-            generators[m] = SpeculativeGenerator(target, tokenizer, drafter, compile=args.compile)
-            counts[m] = {}
-            runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
+            drafter = HeadsDrafter.from_pretrained(args.heads_dirs[m.removesuffix("+ngram")], target)
+            if m.endswith("+ngram"):
+                drafter = HybridDrafter(drafter, lookup_nodes=args.lookup_nodes)
+        generators[m] = SpeculativeGenerator(target, tokenizer, drafter, compile=args.compile)
+        counts[m] = {}
+        runners[m] = engine_runner(generators[m], args.tree, budget, counts[m])
+    return runners, generators, counts
+
+
+def report(args: argparse.Namespace, result: dict[str, Any], replies: list[list[int]], log: Callable[[str], None]
+           ) -> None:
+    """The table on stdout; the replies, the JSON and the plot where asked."""
+    from medusa_train.base.files import atomic_write_text, write_json
+
+    if args.replies:
+        atomic_write_text(args.replies, "".join(json.dumps({"prompt": i, "tokens": r}) + "\n"
+                                                for i, r in enumerate(replies)))
+        log(f"[bench] wrote the target's greedy replies to {args.replies}")
+    print(f"\n{result['machine']}\ntarget {result['target']}; {result['prompt_set']}; greedy, "
+          f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
+    print(format_table(result["methods"]))
+    if args.replies_against:
+        c = result["replies_against"]
+        rest = "" if c["identical"] == c["prompts"] else \
+            f" (the others part at new token {c['median_first_difference']} in the median)"
+        print(f"\ngreedy replies identical to {args.replies_against}: {c['identical']} of {c['prompts']}{rest}")
+    if args.out:
+        write_json(args.out, result)
+        log(f"[bench] wrote {args.out}")
+    if args.plot:
+        plot(result["methods"], args.plot,
+             f"{Path(str(args.target)).name}: {result['prompt_set']}, {args.max_new_tokens} new tokens")
+        log(f"[bench] wrote {args.plot}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; exit code 2 on bad input, before any model is loaded."""
+    from inference.engine.support import context_limit
+
+    args = build_parser().parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        methods, texts, against, budget = check_arguments(args)
+        log(f"[bench] loading {args.target}; methods: {', '.join(methods)}; {len(texts)} prompts, "
+            f"{args.max_new_tokens} new tokens, {args.repeats} repeat(s)")
+        target, tokenizer, kernels = load_bench_target(args, log)
+    except (BenchError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runners, generators, counts = build_runners(args, methods, target, tokenizer, budget)
     prompts = [render(tokenizer, t) for t in texts]
     depth = max((g.drafter.max_depth for g in generators.values()), default=0)
     kept = prompts_that_fit(prompts, context_limit(target), args.max_new_tokens, depth, log)
@@ -520,8 +584,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.max_new_tokens}: lower it, or pick shorter prompts")
         return 2
     prompts = [prompts[i] for i in kept]
-    if args.replies_against:
-        against = [against[i] for i in kept]
     replies: list[list[int]] = []
     summary = run_benchmark(runners, prompts, args.max_new_tokens, args.repeats, args.warmup, log, replies)
     if budget == "auto" and generators:  # each generator timed its own verify forwards once, at warm-up
@@ -533,29 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(root included); acceptance rate given the parent was accepted (rate/tries): {g.calibrator.summary()}")
         if g.choice.tried():
             log(f"[bench] {m}: what its steps ran (auto budget, per-step choice): {g.choice.summary()}")
-    prompt_set = describe_prompts(args.prompts, len(prompts), args.stride)
-    result = {"machine": machine_description(device) + kernels, "target": str(args.target), "prompts": len(prompts),
-              "prompt_set": prompt_set, "max_new_tokens": args.max_new_tokens, "methods": summary}
-    if args.replies:
-        atomic_write_text(args.replies, "".join(json.dumps({"prompt": i, "tokens": r}) + "\n"
-                                                for i, r in enumerate(replies)))
-        log(f"[bench] wrote the target's greedy replies to {args.replies}")
+    result = {"machine": machine_description(next(target.parameters()).device) + kernels, "target": str(args.target),
+              "prompts": len(prompts), "prompt_set": describe_prompts(args.prompts, len(prompts), args.stride),
+              "max_new_tokens": args.max_new_tokens, "methods": summary}
     if args.replies_against:
-        result["replies_against"] = compare_replies(replies, against, args.replies_against)
-    print(f"\n{result['machine']}\ntarget {result['target']}; {prompt_set}; greedy, "
-          f"{args.max_new_tokens} new tokens, tree {args.tree} budget {args.tree_budget}, {args.repeats} repeat(s)\n")
-    print(format_table(summary))
-    if args.replies_against:
-        c = result["replies_against"]
-        rest = "" if c["identical"] == c["prompts"] else \
-            f" (the others part at new token {c['median_first_difference']} in the median)"
-        print(f"\ngreedy replies identical to {args.replies_against}: {c['identical']} of {c['prompts']}{rest}")
-    if args.out:
-        write_json(args.out, result)
-        log(f"[bench] wrote {args.out}")
-    if args.plot:
-        plot(summary, args.plot, f"{Path(str(args.target)).name}: {prompt_set}, {args.max_new_tokens} new tokens")
-        log(f"[bench] wrote {args.plot}")
+        result["replies_against"] = compare_replies(replies, [against[i] for i in kept], args.replies_against)
+    report(args, result, replies, log)
     return 0
 
 

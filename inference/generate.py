@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from inference.engine.generator import SpeculativeGenerator
-from medusa_train.errors import ArgumentParser
+from medusa_train.base.errors import ArgumentParser
 
 
 def parse_tree_budget(value: str, flag: str = "--tree-budget") -> Literal["auto"] | int:
@@ -30,7 +30,7 @@ def parse_tree_budget(value: str, flag: str = "--tree-budget") -> Literal["auto"
 def check_cli_args(args: argparse.Namespace) -> Literal["auto"] | int:
     """Check the generate CLI's arguments (ValueError naming the flag) before any model loads; returns the
     tree budget."""
-    from medusa_train.heads import load_spec
+    from medusa_train.kinds.heads import load_spec
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")

@@ -12,7 +12,7 @@ what drafting, acceptance, cache compaction and the rest of the loop leave of it
 `generate` has costs of its own beyond one forward, so the efficiency can pass 1; `verify_share`, the verify
 forward's share of an engine step (t_verify(B + 1) over the measured seconds per step), reads the engine alone.
 
-    python -m inference.oracle --target $(python -m medusa_train.prepare) --budgets 1,2,4,8 --limit 4
+    python -m inference.oracle --target $(python -m medusa_train.target.prepare) --budgets 1,2,4,8 --limit 4
     python -m inference.oracle --shape smollm2 --budgets 1,2,4,8            # random weights, any machine
     python -m inference.oracle --shape llama-8b --device cuda --dtype bfloat16 --budgets 1,2,4,8,16,32
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from inference.engine.drafters import DraftContext, TreeDrafter
-from medusa_train.errors import ArgumentParser
+from medusa_train.base.errors import ArgumentParser
 
 SHAPES = {  # name: (LlamaConfig fields) of random-weight targets shaped like real ones
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -176,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from inference.bench import describe_prompts, load_bench_prompts, machine_description, render
     from inference.engine.kernels import use_onednn_linear
-    from medusa_train.files import write_json
-    from medusa_train.target import default_device, pad_id, resolve_dtype
+    from medusa_train.base.files import write_json
+    from medusa_train.target.model import default_device, pad_id, resolve_dtype
 
     device = default_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -14,7 +14,7 @@ without the clock. `--budget auto` uses the generator's auto budget and, on a CP
 
     python -m inference.profile_step [--device cuda] [--budget 8] [--tree static] [--steps 40] \\
         [--context-layers 1] [--lookup-nodes 4]
-    python -m inference.profile_step --target $(python -m medusa_train.prepare) --heads runs/x --budget auto
+    python -m inference.profile_step --target $(python -m medusa_train.target.prepare) --heads runs/x --budget auto
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 from inference.engine.drafters import HeadsDrafter, HybridDrafter
 from inference.engine.generator import PHASES, PhaseClock, Sampling, SpeculativeGenerator
 from inference.engine.kernels import use_onednn_linear
-from medusa_train.target import default_device
+from medusa_train.kinds import KINDS
+from medusa_train.target.model import default_device
 
 def smollm2_like(device: str, dtype: torch.dtype, layers: int = 30):
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -114,7 +115,7 @@ def profile(device: str = "cpu", budget: int | str = 8, tree: str = "static", st
     random heads, `steps` steps after one synthetic prompt. draft_vocab > 0 gives the heads a reduced scored
     vocabulary (the first draft_vocab ids, standing in for the most frequent tokens); context_layers > 0 gives them
     a context encoder; lookup_nodes > 0 grafts n-gram lookup onto their tree (`HybridDrafter`)."""
-    from medusa_train.heads import DraftHeads
+    from medusa_train.kinds.heads import DraftHeads
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     model = SHAPES[shape](device, dtype)
@@ -156,7 +157,7 @@ def main() -> None:
     random.add_argument("--steps", type=int, default=40)
     random.add_argument("--shape", default="smollm2", choices=tuple(SHAPES),
                         help="the random model's shape: SmolLM2-135M, or the small fast target (12.6M)")
-    random.add_argument("--kind", default="chained", choices=("chained", "parallel", "eagle3", "dflash"))
+    random.add_argument("--kind", default="chained", choices=tuple(KINDS))
     random.add_argument("--draft-vocab", type=int, default=0, help="heads score only this many tokens (0: all)")
     random.add_argument("--context-layers", type=int, default=0, help="heads with a context encoder of N layers")
     random.add_argument("--cpu-linear", default="onednn", choices=("onednn", "default"))

@@ -20,14 +20,9 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import ConfigError
-from .files import is_heads_dir, local_data_files, looks_local
-
-DFLASH_ANCHORS = 64  # dflash blocks per row per step: docs/results.md, "The dflash kind"
-EAGLE3_NORMS = ("norm_before_fc", "norm_before_residual", "norm_output")  # medusa_train.eagle3.NORMS: what each does
-# heads.norms: auto for eagle3: the two both engines serve (SGLang has no norm_before_residual); docs/results.md,
-# "Our EAGLE-3 trainer against speculators'", measures them against none and all three
-EAGLE3_DEFAULT_NORMS = ("norm_before_fc", "norm_output")
+from .base.errors import ConfigError
+from .base.files import is_heads_dir, local_data_files, looks_local
+from .kinds import KINDS
 
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
@@ -78,78 +73,60 @@ class TargetConfig:
     """Joint (Medusa-2) training: LoRA on the target, trained with the heads (`target.lora.r` > 0)."""
 
 
+def kind_options() -> tuple[type, ...]:
+    """Every kind's `Options` (its own heads.* keys), each once, in the order the kinds are listed. A key two kinds
+    share (`aux_layers`, `layers_per_head`) must mean the same type and default in both."""
+    seen: dict[str, dataclasses.Field] = {}
+    for cls in {k.Options: None for k in KINDS.values()}:
+        for f in dataclasses.fields(cls):
+            first = seen.setdefault(f.name, f)
+            if (first.type, first.default, first.default_factory) != (f.type, f.default, f.default_factory):
+                raise TypeError(f"heads.{f.name} is declared twice, differently ({first.type} and {f.type})")
+    return tuple({k.Options: None for k in KINDS.values()})
+
+
 @dataclass
-class HeadsConfig:
-    kind: Literal["chained", "parallel", "eagle3", "dflash"] = "chained"
+class CommonHeadsConfig:
+    kind: str = "chained"
     """`chained`: head k reads head k-1's state and the embedding of token x_{t+k} (`heads.block` says how).
     `parallel`: Medusa-1 heads, each a stack of residual SiLU blocks on h_t (the baseline). `eagle3`: EAGLE-3's
     draft layer (three target layers fused, one decoder layer applied num_heads times with its own attention, its
     own LM head over the draft vocabulary), the kind vLLM and SGLang serve (`python -m medusa_train.export`).
     `dflash`: DFlash's block drafter (the target's layers fused as context, `layers_per_head` small decoder layers over
     a block of the decided token and num_heads mask tokens, non-causal: one forward drafts every depth), which vLLM
-    and SGLang serve too."""
+    and SGLang serve too. Each kind's module (medusa_train/kinds/) says what it takes: the keys below the common ones
+    are each kind's own."""
     num_heads: int = 4
     """K: head k predicts token x_{t+1+k}. dflash: the mask tokens of its block, whose size (speculators'
     `block_size`) is num_heads + 1: block_size 8 is num_heads 7."""
-    layers_per_head: int = 1
-    """Blocks per head (the mlp_speculator export needs 1). dflash: its decoder layers."""
-    block: Literal["residual", "mlp_speculator"] = "residual"
-    """Chained block. `residual`: s_k = s_{k-1} + silu(W [s_{k-1}; embed(x)] + b), zero-initialised so a head
-    starts as the target's own guess (learns fastest with the target's frozen LM head). `mlp_speculator`:
-    IBM's MLP speculator step, exportable to its format with `DraftHeads.export_mlp_speculator` (which vLLM
-    no longer serves since 0.33)."""
-    own_embed: bool = False
-    """Give the heads their own (trainable) token embedding instead of the target's frozen one."""
-    own_lm_head: bool = False
-    """Give each head its own (trainable) LM head instead of the target's frozen one."""
     draft_vocab_size: int | Literal["auto"] = "auto"
     """If > 0, heads score only the this-many most frequent tokens of the training data (0: full vocab). "auto": a
     quarter of the target's vocabulary where that is at least 2048 tokens (Llama-3: 32064; SmolLM2: 12288), else the
     full vocabulary. Drafting projects onto it at every tree level, so on a fast target it is most of the drafting
     cost; on a 12.6M target with a vocabulary of 8192, heads scoring 2048 tokens reached the held-out expected tau of
-    full-vocabulary heads (3.36 against 3.31; docs/results.md). The medusa and mlp_speculator exports need 0."""
-    context_layers: int = 0
-    """If > 0, an EAGLE-style context encoder: this many small causal transformer layers over every
-    committed position's (h_j, embed(x_{j+1})) give c_t, and the heads start from s_0 = h_t + c_t instead
-    of h_t alone (at inference the drafter keeps its own KV cache). 0: heads read h_t only."""
-    aux_layers: list[int] = field(default_factory=list)
-    """eagle3 and dflash only: the target layers they read (layer i: the input of decoder layer i, as vLLM counts for
-    eagle3 and speculators' dflash configs). Empty: EAGLE-3's default [2, L//2, L-3] for a target of L layers."""
-    mask_token_id: int | None = None
-    """dflash only: the token whose embedding (the target's, frozen) fills the block's mask slots. None: the
-    tokenizer's mask token, else the first embedding row no token uses, else its pad, EOS or unknown token (the
-    order of speculators' trainer), passing over rows of zeros (a padding row would give the slots no input)."""
-    anchors: int | None = None
-    """dflash only: blocks trained per row per step, at random positions with a supervised next-but-one token,
-    redrawn every step (DFlash's random anchors); 0: a block after every position. None: DFLASH_ANCHORS."""
-    norms: list[str] | Literal["auto"] = "auto"
-    """eagle3 only: the optional norms of speculators' trainer (EAGLE-3.1's) the draft layer has, any of
-    `norm_before_fc` (one RMSNorm over the concatenated aux states before fc), `norm_before_residual` (the layer's
-    residual is its normalised input state) and `norm_output` (each step passes on the normalised state its LM head
-    scores); [] for none. vLLM serves all three; SGLang 0.5 has no norm_before_residual. `auto`: norm_before_fc and
-    norm_output for eagle3 (they accept more than none, as much as all three, and both engines serve them); with
-    heads.init_from, the warm-started heads' own."""
+    full-vocabulary heads (3.36 against 3.31; docs/results.md). The medusa, mlp_speculator and dflash (SGLang) exports
+    need 0."""
     init_from: str = ""
     """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
-    heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys above must match it
-    (an error names any that differ); they must have been trained for this target. Not a resume: the
-    optimizer, schedule and data order start afresh (resume continues a run)."""
-
-    def dflash_anchors(self) -> int:
-        """`anchors` resolved: blocks per row per step for dflash heads (0: every position)."""
-        return DFLASH_ANCHORS if self.anchors is None else self.anchors
-
-    def eagle3_norms(self) -> list[str]:
-        """`norms` with `auto` resolved for fresh heads: EAGLE3_DEFAULT_NORMS for eagle3, none for other kinds."""
-        if self.norms == "auto":
-            return list(EAGLE3_DEFAULT_NORMS) if self.kind == "eagle3" else []
-        return list(self.norms)
+    heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys must match it (an error names
+    any that differ; keys that only shape training, such as heads.anchors, are the recipe's); they must have been
+    trained for this target. Not a resume: the optimizer, schedule and data order start afresh (resume continues a
+    run)."""
 
     def draft_vocab(self, vocab_size: int) -> int:
         """The draft vocabulary for a target of `vocab_size` tokens (0: the full vocabulary), "auto" resolved."""
         if self.draft_vocab_size == "auto":
             return vocab_size // 4 if vocab_size // 4 >= 2048 else 0
         return min(self.draft_vocab_size, vocab_size)
+
+
+COMMON_KEYS = {f.name for f in dataclasses.fields(CommonHeadsConfig)}
+
+
+@dataclass
+class HeadsConfig(*kind_options(), CommonHeadsConfig):
+    """heads.*: the keys every kind takes (`CommonHeadsConfig`), then each kind's own (its `Options`, documented in its
+    module under medusa_train/kinds/); a key of another kind than heads.kind is refused."""
 
 
 @dataclass
@@ -489,13 +466,24 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
+def need(ok: bool, msg: str) -> None:
+    """ConfigError(msg) unless ok."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
-    """Range and consistency checks. Raises ConfigError naming the key."""
+    """Range and consistency checks, section by section. Raises ConfigError naming the key."""
+    validate_target(cfg)
+    validate_heads(cfg.heads)
+    validate_data(cfg.data)
+    validate_train(cfg.train, world_size)
+    validate_loss(cfg.loss)
+    validate_eval(cfg)
 
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
 
+def validate_target(cfg: Config) -> None:
+    """target.*, and what joint training (target.lora) rules out elsewhere."""
     need(bool(cfg.target.model), "target.model is required: a hub name or a local model directory")
     if looks_local(cfg.target.model) or os.path.sep in cfg.target.model and Path(cfg.target.model).exists():
         need(Path(os.path.expanduser(cfg.target.model)).exists(),
@@ -531,47 +519,32 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         need((Path(os.path.expanduser(cfg.target.model)) / cfg.target.gguf_file).is_file(),
              f"target.gguf_file: {cfg.target.gguf_file} not found in {cfg.target.model}")
 
-    h = cfg.heads
+
+def validate_heads(h: HeadsConfig) -> None:
+    """heads.*: the common keys here; a key of another kind is refused; the kind checks its own (`check_options`)."""
+    kind = KINDS.get(h.kind)
+    need(kind is not None, f"heads.kind must be one of {' | '.join(repr(k) for k in KINDS)}, got {h.kind!r}")
     need(1 <= h.num_heads <= 16, f"heads.num_heads must be between 1 and 16, got {h.num_heads}")
-    need(1 <= h.layers_per_head <= 8, f"heads.layers_per_head must be between 1 and 8, got {h.layers_per_head}")
-    need(0 <= h.context_layers <= 8, f"heads.context_layers must be between 0 and 8, got {h.context_layers}")
     need(h.draft_vocab_size == "auto" or h.draft_vocab_size >= 0,
          f"heads.draft_vocab_size must be 'auto' or >= 0 (0: full vocab), got {h.draft_vocab_size}")
-    if h.kind == "eagle3":
-        other = [f"heads.{k}={getattr(h, k)!r}" for k, default in (
-            ("block", "residual"), ("layers_per_head", 1), ("own_embed", False), ("own_lm_head", False),
-            ("context_layers", 0)) if getattr(h, k) != default]
-        need(not other, f"heads.kind=eagle3 has its own layout (one decoder layer, the target's embedding, its own LM "
-                        f"head): remove {', '.join(other)}")
-        need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
-             f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
-        norms = h.eagle3_norms()
-        unknown = [n for n in norms if n not in EAGLE3_NORMS]
-        need(not unknown and len(set(norms)) == len(norms),
-             f"heads.norms must be distinct names among {', '.join(EAGLE3_NORMS)} (or auto), got {h.norms}")
-    elif h.kind == "dflash":
-        other = [f"heads.{k}={getattr(h, k)!r}" for k, default in (
-            ("block", "residual"), ("own_embed", False), ("own_lm_head", False), ("context_layers", 0))
-            if getattr(h, k) != default]
-        need(not other, f"heads.kind=dflash has its own layout (decoder layers over a block, the target's embedding, "
-                        f"its own LM head): remove {', '.join(other)}")
-        need(all(i >= 0 for i in h.aux_layers) and len(set(h.aux_layers)) == len(h.aux_layers),
-             f"heads.aux_layers must be distinct layer ids >= 0, got {h.aux_layers}")
-        need(h.norms in ("auto", []), "heads.norms is for heads.kind=eagle3 only (heads.kind=dflash): remove it")
-        need(h.mask_token_id is None or h.mask_token_id >= 0,
-             f"heads.mask_token_id must be a token id >= 0 (unset: the tokenizer chooses), got {h.mask_token_id}")
-        need(h.dflash_anchors() >= 0, f"heads.anchors must be >= 0 (0: a block after every position), got {h.anchors}")
-    if h.kind not in ("eagle3", "dflash"):
-        need(not h.aux_layers, f"heads.aux_layers is for heads.kind=eagle3 or dflash (heads.kind={h.kind}): remove it")
-        need(h.norms in ("auto", []), f"heads.norms is for heads.kind=eagle3 only (heads.kind={h.kind}): remove it")
-    if h.kind != "dflash":
-        for key in ("mask_token_id", "anchors"):
-            need(getattr(h, key) is None, f"heads.{key} is for heads.kind=dflash only (heads.kind={h.kind}): remove it")
+    own = {f.name for f in dataclasses.fields(kind.Options)}
+    defaults = HeadsConfig()
+    foreign = [f.name for f in dataclasses.fields(HeadsConfig) if f.name not in own and f.name not in COMMON_KEYS
+               and getattr(h, f.name) != getattr(defaults, f.name)]
+    if foreign:
+        def takers(key: str) -> str:
+            names = [n for n, k in KINDS.items() if key in {f.name for f in dataclasses.fields(k.Options)}]
+            return f"heads.kind={' or '.join(names)}" + (" only" if len(names) == 1 else "")
+
+        said = ", ".join(f"heads.{key}{' is' if i == 0 else ''} for {takers(key)}" for i, key in enumerate(foreign))
+        raise ConfigError(f"{said} (heads.kind={h.kind}): remove {'it' if len(foreign) == 1 else 'them'}")
+    kind.check_options(kind.options_from(h))
     if h.init_from:
         need(is_heads_dir(h.init_from),
              f"heads.init_from={h.init_from} is not a heads directory (expected config.json and model.safetensors)")
 
-    d = cfg.data
+
+def validate_data(d: DataConfig) -> None:
     need(bool(d.dataset), "data.dataset is required: a hub name, a local file, a directory or a glob")
     local_data_files(d.dataset)
     need(d.max_length >= 8, f"data.max_length must be >= 8, got {d.max_length}")
@@ -582,7 +555,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
     need(0 <= d.max_dropped <= 1, f"data.max_dropped must be a fraction in [0, 1], got {d.max_dropped}")
 
-    t = cfg.train
+
+def validate_train(t: TrainConfig, world_size: int) -> None:
     need(t.max_steps >= 0, f"train.max_steps must be >= 0 (0: use train.epochs), got {t.max_steps}")
     need(t.max_steps > 0 or t.epochs > 0, "train.epochs must be > 0 when train.max_steps is 0")
     need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
@@ -604,7 +578,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(t.max_loss_growth == 0 or t.max_loss_growth > 1, f"train.max_loss_growth must be > 1 (0: never stop), got "
                                                           f"{t.max_loss_growth}")
 
-    lo = cfg.loss
+
+def validate_loss(lo: LossConfig) -> None:
     need(lo.distill_weight >= 0, f"loss.distill_weight must be >= 0, got {lo.distill_weight}")
     need(lo.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {lo.ce_weight}")
     need(lo.distill_weight + lo.ce_weight > 0, "loss.distill_weight and loss.ce_weight cannot both be 0")
@@ -612,6 +587,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     need(lo.lm_weight >= 0, f"loss.lm_weight must be >= 0, got {lo.lm_weight}")
     need(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
 
+
+def validate_eval(cfg: Config) -> None:
+    """eval.*, train.keep_best (which evaluations make), output_dir and resume."""
     need(cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}")
     need(cfg.eval.max_batches >= 0, f"eval.max_batches must be >= 0, got {cfg.eval.max_batches}")
     e = cfg.eval

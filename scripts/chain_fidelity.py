@@ -3,10 +3,10 @@ on chat prompts, then run the heads' training forward once over each final seque
 accept length from its teacher-forced top-1 guesses at that step's position. Prints how many steps disagree
 (0 when drafting is right), the mean accept length at the engine's steps, and the chain's expected accept
 length over every position of the same sequences (what held-out evaluation reports; steps start after a
-miss more often than a random position does, so the two differ). docs/design.md,
+miss more often than a random position does, so the two differ). docs/history.md,
 "Where the held-out tau goes"; tests/test_context_heads.py checks the same on tiny models.
 
-    python scripts/chain_fidelity.py --heads runs/s19/heads-wd --target $(python -m medusa_train.prepare) \\
+    python scripts/chain_fidelity.py --heads runs/s19/heads-wd --target $(python -m medusa_train.target.prepare) \\
         --prompts question.jsonl [--stride 1] [--max-new-tokens 128]
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from inference.bench import load_bench_prompts
 from inference.engine.generator import SpeculativeGenerator
-from medusa_train.target import target_hidden
+from medusa_train.target.model import target_hidden
 
 
 def main() -> None:

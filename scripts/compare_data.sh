@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 N=${1:-128}; STEPS=${2:-120}
 SHARED=${DATA:?set DATA to the directory holding the prompt files (see scripts/full_run.sh)}
 W=runs/compare-data; mkdir -p $W
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 python - "$SHARED/llamafactory_alpaca_en_demo.json" "$N" "$W" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))[:int(sys.argv[2])]
@@ -19,7 +19,7 @@ with open(f"{sys.argv[3]}/prompts.jsonl", "w") as p, open(f"{sys.argv[3]}/origin
         o.write(json.dumps({"id": f"alpaca-{i}", "messages": [{"role": "user", "content": prompt},
                                                                {"role": "assistant", "content": r["output"]}]}) + "\n")
 PY
-python -m medusa_train.distill recipes/smollm2-135m.yaml target.model=$T --prompts $W/prompts.jsonl \
+python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model=$T --prompts $W/prompts.jsonl \
     --out $W/distilled.jsonl --max-new-tokens 192 --batch-size 16 --exclude $SHARED/mt_bench_question.jsonl
 for src in distilled original; do
   [ -f $W/heads-$src/acceptance.json ] || python train.py recipes/smollm2-135m.yaml target.model=$T \

@@ -20,15 +20,15 @@ KINDS=${KINDS:-chained parallel eagle3 dflash} LIMIT=${LIMIT:-0}
 NORMS=${NORMS:-[]}
 DFLASH=${DFLASH:-heads.num_heads=7 heads.layers_per_head=2}  # a block of 8, two decoder layers
 MTBENCH="$DATA/mt_bench_question.jsonl"
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 mkdir -p "$WORK"
-python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
+python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
     --out "$WORK/distill-default.jsonl" --limit 256 --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
 train() {  # kind steps [overrides]
     local out="$WORK/heads-$1"
     if [ -f "$out/acceptance.json" ]; then echo "$1 heads already in $out"; return; fi
     local t0=$SECONDS
-    python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
+    python -m medusa_train.train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
         target.dtype=bfloat16 heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
         train.lr=3e-3 train.batch_size=4 data.max_length=384 train.warmup_steps=$(( $2 / 20 )) train.save_every=0 \
         eval.every="$2" eval.max_batches=4 eval.tau_every=0 train.log_every=$(( $2 / 20 )) tracking.backend=none \
@@ -39,9 +39,9 @@ heads=() methods=ar
 for kind in $KINDS; do
     case $kind in
         chained) train chained "$STEPS_CHAINED"; heads+=(--heads "$WORK/heads-chained") ;;
-        parallel) train parallel "$STEPS_PARALLEL"; heads+=(--heads-parallel "$WORK/heads-parallel") ;;
-        eagle3) train eagle3 "$STEPS_EAGLE3" "heads.norms=$NORMS"; heads+=(--heads-eagle3 "$WORK/heads-eagle3") ;;
-        dflash) train dflash "$STEPS_DFLASH" "$DFLASH"; heads+=(--heads-dflash "$WORK/heads-dflash") ;;
+        parallel) train parallel "$STEPS_PARALLEL"; heads+=(--heads "$WORK/heads-parallel") ;;
+        eagle3) train eagle3 "$STEPS_EAGLE3" "heads.norms=$NORMS"; heads+=(--heads "$WORK/heads-eagle3") ;;
+        dflash) train dflash "$STEPS_DFLASH" "$DFLASH"; heads+=(--heads "$WORK/heads-dflash") ;;
     esac
     methods+=",$kind"
 done

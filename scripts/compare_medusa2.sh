@@ -19,9 +19,9 @@ HALF=${HALF:-380} JOINT=${JOINT:-38} RANK=${RANK:-16}
 SETTINGS_chained=${SETTINGS_chained:-"10:1e-3 1:1e-3 10:2e-4 50:1e-3"} BENCH_chained=${BENCH_chained:-"10:1e-3 1:1e-3"}
 SETTINGS_parallel=${SETTINGS_parallel:-"10:1e-3"} BENCH_parallel=${BENCH_parallel:-"10:1e-3"}
 MTBENCH="$DATA/mt_bench_question.jsonl"
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 mkdir -p "$WORK"
-python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
+python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
     --out "$WORK/distill-default.jsonl" --limit 256 --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
 common=(recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" target.dtype=bfloat16
         heads.draft_vocab_size=4096 heads.context_layers=0 train.lr=3e-3 train.batch_size=4 data.max_length=384
@@ -31,7 +31,7 @@ run() {  # name steps overrides...
     shift 2
     if [ -f "$out/acceptance.json" ]; then echo "$out already trained"; return; fi
     local t0=$SECONDS
-    python -m medusa_train.cli "${common[@]}" train.max_steps="$steps" train.warmup_steps=$(( steps / 20 + 1 )) \
+    python -m medusa_train.train.cli "${common[@]}" train.max_steps="$steps" train.warmup_steps=$(( steps / 20 + 1 )) \
         eval.every="$steps" train.log_every=$(( steps / 10 + 1 )) output_dir="$out" "$@"
     echo "$(basename "$out"): $steps steps trained in $(( SECONDS - t0 )) s" | tee -a "$WORK/train-times.txt"
 }
@@ -50,9 +50,7 @@ for kind in chained parallel; do
         run "$name" "$JOINT" heads.kind="$kind" heads.init_from="$WORK/heads-$kind-$HALF" target.lora.r="$RANK" \
             target.lora.alpha=$(( 2 * RANK )) target.lora.lr="$lr" loss.lm_weight="$w" train.cache_hidden=false
         if [[ " ${!benched} " == *" $s "* ]]; then
-            flag=--heads
-            [ "$kind" = parallel ] && flag=--heads-parallel
-            bench "$WORK/medusa2-$kind-lmweight$w-lr$lr-mtbench80.json" "$flag" "$WORK/$name" --methods "ar,$kind" \
+            bench "$WORK/medusa2-$kind-lmweight$w-lr$lr-mtbench80.json" --heads "$WORK/$name" --methods "ar,$kind" \
                 --replies-against "$WORK/replies-original.jsonl"
         fi
     done

@@ -6,8 +6,8 @@ each measured the same way, plotted against the rows they saw.
         --out docs/results/self-data-curve.json --plot docs/results/self-data-curve.png
 
 For each run directory (a finished `train.py` output_dir): the rows it trained on (metrics.jsonl), the held-out
-expected tau of its heads on --heldout (`python -m medusa_train.evaluate`, every row, the trees of --budgets nodes),
-and the real tau of the engine with its heads alone (greedy, --max-new-tokens; the static tree at --budget nodes
+expected tau of its heads on --heldout (`python -m medusa_train.train.evaluate`, every row, the trees of --budgets
+nodes), and the real tau of the engine with its heads alone (greedy, --max-new-tokens; the static tree at --budget nodes
 shaped by that held-out acceptance, the same rows for every run) on the first user turns of --prompts. A run's
 label is its data source: the `prompt_source` of its rows (self) or `pool`. With --bar the fit tau = a + b ln(rows)
 over each label's points says at what row count the real tau would reach the bar, if the curve kept its slope.
@@ -50,7 +50,7 @@ def label(run: Path) -> str:
 def heldout_tau(run: Path, heldout: str, budgets: list[int]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "acceptance.json"
-        subprocess.run([sys.executable, "-m", "medusa_train.evaluate", str(run / "recipe.yaml"),
+        subprocess.run([sys.executable, "-m", "medusa_train.train.evaluate", str(run / "recipe.yaml"),
                         f"data.dataset={heldout}", "--heads", str(run), "--split", "all",
                         "--budgets", *map(str, budgets), "--out", str(out)], check=True, cwd=ROOT)
         got = json.loads(out.read_text())
@@ -62,10 +62,10 @@ def real_tau(runs: list[Path], accuracies: list[list[list[float]]], prompts_file
              budget: int, dtype: str) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from medusa_train.chat import render_prompt
-    from medusa_train.heads import DraftHeads, load_spec
-    from medusa_train.prompts import load_prompts
-    from medusa_train.tau import measure_tau
+    from medusa_train.data.chat import render_prompt
+    from medusa_train.kinds.heads import DraftHeads, load_spec
+    from medusa_train.data.prompts import load_prompts
+    from medusa_train.train.tau import measure_tau
 
     name = load_spec(runs[0]).target_name
     target = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()

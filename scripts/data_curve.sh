@@ -16,10 +16,10 @@ W=${1:-runs/self}
 MT=${MT:?set MT to the MT-Bench question.jsonl (FastChat fastchat/llm_judge/data/mt_bench/question.jsonl)}
 LIMIT=${LIMIT:-5000}; HELDOUT=${HELDOUT:-150}; SIZES=${SIZES:-256 600 1200}; POOL=${POOL:-256}; EPOCHS=${EPOCHS:-4}
 TOKENS=${TOKENS:-64}
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 mkdir -p "$W"
 distill() {
-  python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 \
+  python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 \
       --exclude "$MT" --max-new-tokens 256 --batch-size 32 "$@"
 }
 echo "=== [1/3] self-written requests and their replies -> $W/self.jsonl"

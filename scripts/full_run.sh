@@ -27,7 +27,7 @@ SHARED=${DATA:?set DATA to the directory holding the prompt files listed at the 
 SHAREGPT=${SHAREGPT:-2700}; ARENA=${ARENA:-0}; ALPACA=${ALPACA:-0}; GSM8K=${GSM8K:-600}; DEFAULT=${DEFAULT:-1300}
 EPOCHS=${EPOCHS:-6}; BENCH_STRIDE=${BENCH_STRIDE:-1}
 mkdir -p "$W/data"
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 MT=$SHARED/mt_bench_question.jsonl
 
 echo "=== [1/3] self-distill (bfloat16): ShareGPT | Arena-Hard, Alpaca, GSM8K, default pool; one thread each"
@@ -38,7 +38,7 @@ with open(sys.argv[2], "w") as f:
         f.write(json.dumps({"id": f"alpaca-{i}", "prompt": r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")}) + "\n")
 PY
 d() {  # $1 pool, $2 out, $3 limit (0: all), $4 max prompt tokens, $5 batch size, $6 order (default shortest)
-  OMP_NUM_THREADS=1 python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 \
+  OMP_NUM_THREADS=1 python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 \
       --prompts "$1" --exclude "$MT" --out "$2" --order "${6:-shortest}" --max-prompt-tokens "$4" --max-new-tokens 256 \
       --batch-size "$5" --limit "$3"
 }
@@ -58,6 +58,6 @@ for kind in chained parallel; do
 done
 
 echo "=== [3/3] benchmark on MT-Bench first turns (every ${BENCH_STRIDE}th prompt)"
-python -m inference.bench --target "$T" --heads "$W/heads-chained" --heads-parallel "$W/heads-parallel" \
+python -m inference.bench --target "$T" --heads "$W/heads-chained" "$W/heads-parallel" \
     --prompts "$MT" --stride "$BENCH_STRIDE" --max-new-tokens 128 \
     --out "$W/results.json" --plot "$W/bench.png"

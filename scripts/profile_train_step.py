@@ -3,10 +3,11 @@
 op table. With `target.lora.r=N` (joint training) the step is the real joint step, target forwards included, and
 the table opens with its phases (`JointObjective`'s named ranges).
 
-    python scripts/profile_train_step.py recipes/smollm2-135m.yaml target.model=$(python -m medusa_train.prepare) \
-        data.dataset=runs/full/data heads.draft_vocab_size=8192 [--batches 12]
+    python scripts/profile_train_step.py recipes/smollm2-135m.yaml \
+        target.model=$(python -m medusa_train.target.prepare) data.dataset=runs/full/data \
+        heads.draft_vocab_size=8192 [--batches 12]
 
-Numbers: docs/design.md ("Training on a CPU", "Joint training").
+Numbers: docs/history.md ("Training on a CPU", "Joint training").
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from medusa_train.config import load_config
-from medusa_train.data import build_datasets, collate
-from medusa_train.joint import add_lora
-from medusa_train.target import load_model, load_tokenizer
-from medusa_train.target_states import TargetStates
-from medusa_train.optim import param_groups
-from medusa_train.run import make_objective, setup_forward_target, setup_heads
+from medusa_train.data.rows import build_datasets, collate
+from medusa_train.train.joint import add_lora
+from medusa_train.target.model import load_model, load_tokenizer
+from medusa_train.target.states import TargetStates
+from medusa_train.train.optim import param_groups
+from medusa_train.train.run import make_objective, setup_forward_target, setup_heads
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     target = peft.get_base_model() if joint else target
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     heads = setup_heads(cfg, target, train_ds, tokenizer)
-    states = TargetStates(setup_forward_target(cfg, target, "cpu"), lm_head, layers=heads.spec.aux_layers)
+    states = TargetStates(setup_forward_target(cfg, target, "cpu"), lm_head, layers=heads.target_layers)
     objective = make_objective(cfg, heads, target, peft)
     optimizer = torch.optim.AdamW(param_groups(objective, cfg.train.weight_decay), lr=cfg.train.lr)
     loader = DataLoader(train_ds, batch_size=cfg.train.batch_size, shuffle=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from medusa_train.self_prompts import filter_prompts  # noqa: E402
+from medusa_train.data.self_prompts import filter_prompts  # noqa: E402
 
 CATEGORIES = [
     ("code", r"\b(code|python|javascript|java|c\+\+|sql|function|program|script|algorithm|html|css|api|debug)\b"),

@@ -106,7 +106,7 @@ def max_diff(a: str, b: str) -> float:
 
 
 def main(argv=None) -> int:
-    from medusa_train.errors import ArgumentParser
+    from medusa_train.base.errors import ArgumentParser
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-8b", help="tiny, or an inference.oracle shape: smollm2, small, llama-8b")

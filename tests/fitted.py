@@ -9,9 +9,9 @@ from tiny import tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
 from medusa_train.config import LossConfig
-from medusa_train.heads import DraftHeads
-from medusa_train.losses import HeadsObjective
-from medusa_train.target import target_hidden
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.train.losses import HeadsObjective
+from medusa_train.target.model import target_hidden
 
 
 def fitted(model, heads: DraftHeads, iters: int, lr: float = 3e-3) -> tuple[DraftHeads, torch.Tensor]:
@@ -23,7 +23,7 @@ def fitted(model, heads: DraftHeads, iters: int, lr: float = 3e-3) -> tuple[Draf
     with torch.no_grad():
         rows = model.generate(prompts, do_sample=False, max_new_tokens=40, min_new_tokens=40,
                               attention_mask=torch.ones_like(prompts), pad_token_id=259, eos_token_id=[])
-    feats = target_hidden(model, rows, None, heads.spec.aux_layers)
+    feats = target_hidden(model, rows, None, heads.target_layers)
     labels = rows.clone()
     labels[:, :4] = -100
     objective = HeadsObjective(heads, LossConfig(distill_weight=1.0, ce_weight=0.0, decay=0.8, chunk_size=512))

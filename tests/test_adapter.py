@@ -14,11 +14,11 @@ from test_inference_greedy import greedy_reference
 from tiny import save_tiny, tiny_model
 
 from inference import SpeculativeGenerator
-from medusa_train.cli import main
+from medusa_train.train.cli import main
 from medusa_train.config import ConfigError, load_config
-from medusa_train.heads import DraftHeads, HeadsMismatchError
-from medusa_train.target import merge_adapter, peft_quietly
-from medusa_train.trainer import train
+from medusa_train.kinds.heads import DraftHeads, HeadsMismatchError
+from medusa_train.target.model import merge_adapter, peft_quietly
+from medusa_train.train.trainer import train
 
 WORDS = "red green blue one two three cats dogs run jump far near and the".split()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from archs import sweep_one, tiny_model
 
-from medusa_train.losses import FusedHeadLoss
-from medusa_train.target import LogitTransform, logit_transform
+from medusa_train.train.losses import FusedHeadLoss
+from medusa_train.target.model import LogitTransform, logit_transform
 
 EXACT = ["llama", "gpt2", "opt", "falcon", "phi3", "llama4_text", "gemma2 cap reached", "granite logits_scaling=8",
          "cohere logit_scale=4"]

@@ -1,5 +1,5 @@
-"""Continuous batching for distillation (`medusa_train.batch_decode`): rows leave when they stop and prompts join as
-slots free up, over one left-padded cache, and every prompt still gets what the model generates for it alone."""
+"""Continuous batching for distillation (`medusa_train.data.batch_decode`): rows leave when they stop and prompts join
+as slots free up, over one left-padded cache, and every prompt still gets what the model generates for it alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tiny import tiny_model
 from transformers import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from medusa_train.batch_decode import _sample, _top_p, decode
+from medusa_train.data.batch_decode import _sample, _top_p, decode
 
 STOPS = list(range(3, 40))  # about one token in seven stops a row: rows end at every step, slots refill
 

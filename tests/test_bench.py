@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 
 from inference import NGramDrafter, SpeculativeGenerator
 from inference import bench
-from medusa_train.heads import DraftHeads
+from medusa_train.kinds.heads import DraftHeads
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 PROMPTS = [{"prompt": "Tell me about the sea."}, {"question_id": 1, "turns": ["Say hello hello hello.", "again"]},
@@ -44,9 +45,9 @@ def setup(tmp_path_factory):
 
 def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     out, png = setup / "results.json", setup / "bench.png"
-    rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"),
-                     "--heads-parallel", str(setup / "parallel"), "--heads-eagle3", str(setup / "eagle3"),
-                     "--heads-dflash", str(setup / "dflash"),
+    rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"), str(setup / "parallel"),
+                     "--heads-eagle3", str(setup / "eagle3"),  # the flag of before --heads took any kind still works
+                     "--heads", str(setup / "dflash"),
                      "--bigram-data", str(setup / "distilled.jsonl"),
                      "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
                      "--repeats", "1", "--out", str(out), "--plot", str(png)])
@@ -58,7 +59,8 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     assert list(res["methods"]) == [m for m in bench.ALL_METHODS if m != "ar-compiled"]  # that one on request
     # tau is new tokens per target forward: at least 1, at most what one forward can accept (the deepest
     # proposal + the bonus): pld 10 lookup tokens, ngram 5 levels, bigram 4, the heads 3, the hybrid's lookup 4
-    deepest = {"ar": 0, "pld": 10, "ngram": 5, "bigram": 4, "parallel": 3, "chained": 3, "chained+ngram": 4,
+    deepest = {"ar": 0, "pld": 10, "ngram": 5, "bigram": 4, "parallel": 3, "parallel+ngram": 4, "chained": 3,
+               "chained+ngram": 4,
                "eagle3": 2, "eagle3+ngram": 4, "dflash": 3, "dflash+ngram": 4}
     ar_rate = res["methods"]["ar"]["tokens_per_s"]
     for name, m in res["methods"].items():
@@ -241,3 +243,17 @@ def test_timings_a_generator_takes_are_not_counted_in_its_generation(monkeypatch
     gen = SimpleNamespace(device="cpu", step_budget=step_budget, generate=generate)
     result = bench.engine_runner(gen, "static", "auto")(torch.tensor([[1, 2, 3]]), 2)
     assert result.seconds == 1.0
+
+
+def test_heads_of_any_kind_are_named_by_their_config(setup, capsys, monkeypatch):
+    """--heads takes directories of any kind, each read from its config.json: two of one kind, or a directory that
+    holds no heads, are refused in one line before a model loads; so is --plot without matplotlib (it would have
+    failed after the whole benchmark)."""
+    base = ["--target", str(setup / "target"), "--prompts", str(setup / "prompts.jsonl")]
+    assert bench.main([*base, "--heads", str(setup / "chained"), str(setup / "chained")]) == 2
+    assert "both hold chained heads" in capsys.readouterr().err
+    assert bench.main([*base, "--heads", str(setup / "target")]) == 2
+    assert "--heads: " in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
+    assert bench.main([*base, "--plot", str(setup / "x.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from tiny import VOCAB, tiny_tokenizer
 
 from inference import HybridDrafter, NGramDrafter, SpeculativeGenerator
 from inference.engine.choice import StepChoice
-from medusa_train.target import decoder
+from medusa_train.target.model import decoder
 
 
 def test_each_arm_is_tried_then_the_best_runs_and_the_others_are_probed():

@@ -147,7 +147,7 @@ def test_the_compiled_verify_is_not_guarded_on_other_models():
     between building a frame and checking it failed the run ("Guard failed on the same frame it was created")."""
     import gc
 
-    from medusa_train.target import final_logits
+    from medusa_train.target.model import final_logits
 
     model = float64_model("llama", seed=1)
     ids = prompt(9, 3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train.cli import main
+from medusa_train.train.cli import main
 from medusa_train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +51,13 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("heads.num_heads=0", "heads.num_heads must be between 1 and 16, got 0"),
     ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel' | 'eagle3' | 'dflash', got 'serial'"),
     ("heads.kind=eagle3 heads.block=mlp_speculator heads.context_layers=1",
-     "heads.kind=eagle3 has its own layout (one decoder layer, the target's embedding, its own LM head): remove "
-     "heads.block='mlp_speculator', heads.context_layers=1"),
+     "heads.context_layers is for heads.kind=chained or parallel, heads.block for heads.kind=chained only "
+     "(heads.kind=eagle3): remove them"),
     ("heads.kind=eagle3 heads.aux_layers=[2,2]", "heads.aux_layers must be distinct layer ids >= 0, got [2, 2]"),
     ("heads.kind=eagle3 heads.aux_layers=3", "heads.aux_layers must be a list, got 3"),
     ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3 or dflash (heads.kind=chained): remove it"),
-    ("heads.kind=dflash heads.own_lm_head=true", "heads.kind=dflash has its own layout (decoder layers over a block, "
-     "the target's embedding, its own LM head): remove heads.own_lm_head=True"),
+    ("heads.kind=dflash heads.own_lm_head=true",
+     "heads.own_lm_head is for heads.kind=chained or parallel (heads.kind=dflash): remove it"),
     ("heads.kind=dflash heads.aux_layers=[3,3]", "heads.aux_layers must be distinct layer ids >= 0, got [3, 3]"),
     ("heads.kind=dflash heads.norms=[norm_output]", "heads.norms is for heads.kind=eagle3 only (heads.kind=dflash)"),
     ("heads.kind=dflash heads.mask_token_id=-1", "heads.mask_token_id must be a token id >= 0"),
@@ -149,11 +149,23 @@ def test_the_draft_vocabulary_defaults_to_a_quarter_of_a_large_vocabulary(recipe
 
 
 def test_eagle3_heads_get_two_norms_unless_the_recipe_says_otherwise(tmp_path):
-    """heads.norms auto: norm_before_fc and norm_output for eagle3 (docs/results.md measures them), none for the other
-    kinds; a list is taken as written, [] for none."""
-    from medusa_train.config import HeadsConfig
+    """heads.norms auto: norm_before_fc and norm_output for eagle3 (docs/results.md measures them); a list is taken as
+    written (in the norms' own order), [] for none; the other kinds have no norms."""
+    from archs import tiny_model
+    from transformers import LlamaConfig
 
-    assert HeadsConfig(kind="eagle3").eagle3_norms() == ["norm_before_fc", "norm_output"]
-    assert HeadsConfig(kind="chained").eagle3_norms() == []
-    assert HeadsConfig(kind="eagle3", norms=[]).eagle3_norms() == []
-    assert HeadsConfig(kind="eagle3", norms=["norm_output"]).eagle3_norms() == ["norm_output"]
+    from medusa_train.config import HeadsConfig
+    from medusa_train.kinds import DraftHeads
+    from medusa_train.kinds.eagle3 import Eagle3Heads
+
+    target = LlamaConfig(num_hidden_layers=6)
+
+    def norms(**keys):
+        return Eagle3Heads.resolve(Eagle3Heads.options_from(HeadsConfig(kind="eagle3", **keys)), target).norms
+
+    assert norms() == ["norm_before_fc", "norm_output"]
+    assert norms(norms=[]) == []
+    assert norms(norms=["norm_output"]) == ["norm_output"]
+    assert norms(norms=["norm_output", "norm_before_fc"]) == ["norm_before_fc", "norm_output"]
+    chained = DraftHeads.for_target(tiny_model("llama"), "chained", 2).spec
+    assert not hasattr(chained, "norms") and "norms" not in chained.to_json()

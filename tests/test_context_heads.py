@@ -13,8 +13,8 @@ from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, SpeculativeGenerator
 from inference.engine.drafters import DraftContext
-from medusa_train.heads import DraftHeads
-from medusa_train.trainer import train
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.train.trainer import train
 
 
 def perturbed(heads: DraftHeads, seed: int = 0, scale: float = 0.3) -> DraftHeads:
@@ -103,7 +103,7 @@ def test_drafting_without_history_is_refused():
 
 
 def test_training_moves_every_context_parameter(ws, monkeypatch):  # noqa: F811
-    import medusa_train.run as run_setup
+    import medusa_train.train.run as run_setup
 
     initial = {}
     setup = run_setup.setup_heads
@@ -145,7 +145,7 @@ def test_every_engine_draft_is_the_training_forwards_top1(arch, context_layers):
     heads fitted to be right part of the time, every token a top-1 chain drafts, up to and including its first
     miss, is the teacher-forced training forward's top-1 at that position (one forward over the final
     sequence), so every step accepts exactly what that forward predicts."""
-    from medusa_train.target import target_hidden
+    from medusa_train.target.model import target_hidden
 
     model = float64_model(arch, seed=1)
     prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(11))

@@ -1,4 +1,4 @@
-"""medusa_train.data on the tiny ChatML tokenizer and small files written to tmp_path (no network)."""
+"""medusa_train.data.rows on the tiny ChatML tokenizer and small files written to tmp_path (no network)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from medusa_train.chat import IGNORE_INDEX, tokenize_chat
+from medusa_train.data.chat import IGNORE_INDEX, tokenize_chat
 from medusa_train.config import Config, ConfigError, DataConfig, TrainConfig
-from medusa_train.data import build_datasets, collate, dry_run_report, load_raw, select_draft_vocab, token_counts
-from medusa_train.errors import DataError
-from medusa_train.formats import chat_messages, detect_format, prompt_of, rows_to_messages
+from medusa_train.data.rows import build_datasets, collate, dry_run_report, load_raw, select_draft_vocab, token_counts
+from medusa_train.base.errors import DataError
+from medusa_train.data.formats import chat_messages, detect_format, prompt_of, rows_to_messages
 from tiny import tiny_tokenizer
 
 EOT = "<|im_end|>"

@@ -15,13 +15,12 @@ from test_inference_greedy import float64_model
 from tiny import save_tiny, tiny_tokenizer
 
 from inference import HeadsDrafter, SpeculativeGenerator
-from inference.engine.drafters import DFlashDrafter
 from medusa_train.config import LossConfig
-from medusa_train.dflash import resolve_mask_token, sample_anchors
-from medusa_train.heads import DraftHeads
-from medusa_train.losses import anchored_head_losses, chunked_head_losses
-from medusa_train.target import target_hidden
-from medusa_train.trainer import train
+from medusa_train.kinds.dflash import resolve_mask_token, sample_anchors
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.train.losses import anchored_head_losses, chunked_head_losses
+from medusa_train.target.model import target_hidden
+from medusa_train.train.trainer import train
 
 ARCHS = ["llama", "qwen2", "mistral"]
 
@@ -44,7 +43,7 @@ def _batch(model, heads, T: int = 22):
     labels = ids.clone()
     labels[:, :4] = -100
     labels[mask == 0] = -100
-    feats = target_hidden(model, ids, mask, heads.spec.aux_layers)
+    feats = target_hidden(model, ids, mask, heads.target_layers)
     greedy = model.get_output_embeddings()(feats[..., :model.config.hidden_size]).argmax(-1)
     return ids, mask, labels, feats, greedy
 
@@ -149,7 +148,7 @@ def test_dflash_sampling_runs_through_the_same_drafter():
     model = float64_model("llama", seed=0)
     heads, prompts = _trained_dflash(model, iters=40)
     gen = SpeculativeGenerator(model, tiny_tokenizer(), HeadsDrafter(heads, model))
-    assert isinstance(gen.drafter, DFlashDrafter)
+    assert isinstance(gen.drafter, HeadsDrafter) and not gen.drafter.chained
     a = gen.generate(prompts[1:2], max_new_tokens=20, temperature=0.8, seed=5, tree_budget=4, eos_token_id=[])
     gen.generate(prompts[2:3], max_new_tokens=9, temperature=0.8, seed=1, tree_budget=4, eos_token_id=[])
     b = gen.generate(prompts[1:2], max_new_tokens=20, temperature=0.8, seed=5, tree_budget=4, eos_token_id=[])
@@ -202,4 +201,4 @@ def test_dflash_heads_train_through_the_same_loop_cache_their_layers_and_resume(
         state = other.heads.state_dict()
         assert max((final[k] - v.detach().cpu()).abs().max().item() for k, v in state.items()) <= 1e-6
     drafter = HeadsDrafter.from_pretrained(ws / "plain", plain.target)
-    assert isinstance(drafter, DFlashDrafter) and drafter.target_layers == (1, 2)
+    assert isinstance(drafter, HeadsDrafter) and drafter.target_layers == (1, 2)

@@ -151,7 +151,7 @@ def test_load_prompts_formats_and_exclude(tmp_path):
 
 
 def test_default_pool_is_offline_and_disjoint_from_heldout():
-    from medusa_train.prompts import default_prompts
+    from medusa_train.data.prompts import default_prompts
 
     train, held = default_prompts("train"), default_prompts("heldout")
     assert len(train) >= 1000 and len(held) >= 40
@@ -182,7 +182,7 @@ def test_rows_with_unicode_line_separators_stay_whole(tmp_path):
     looked unfinished), dropped it when merging rank parts, and the benchmark's bigram reader crashed on it."""
     from inference import bench
 
-    from medusa_train.data import _load_json_by_hand
+    from medusa_train.data.rows import _load_json_by_hand
 
     reply = "first line\u2028second\u2029third\x85fourth"
     out = tmp_path / "d.jsonl"
@@ -209,7 +209,7 @@ def test_a_rerun_with_other_settings_is_refused_before_loading(tmp_path, capsys,
     base = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
     assert D.main(base + ["--max-new-tokens", "3"]) == 0
     assert rows(out)[0]["generation"] == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0}
-    import medusa_train.target as target
+    import medusa_train.target.model as target
 
     monkeypatch.setattr(target, "load_target", lambda *a, **k: pytest.fail("the model was loaded"))
     capsys.readouterr()

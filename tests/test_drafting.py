@@ -26,9 +26,9 @@ from test_inference_greedy import float64_model, greedy_reference
 from tiny import VOCAB, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
-from inference.engine.drafters import DFlashDrafter, DraftContext, Eagle3Drafter
-from medusa_train.heads import DraftHeads
-from medusa_train.target import target_hidden
+from inference.engine.drafters import DraftContext
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.target.model import target_hidden
 
 K = 3
 STATIC_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 1)]
@@ -81,7 +81,7 @@ def training_ranking(heads: DraftHeads, model, committed: list[int], path: list[
     Training computes head k at position t from x_{t+1}..x_{t+k} (teacher forcing); the engine drafts at
     t = n - 2, the position before the root, so the sequence is the committed tokens followed by the path."""
     seq = torch.tensor([committed + path])
-    h = target_hidden(model, seq, torch.ones_like(seq), heads.spec.aux_layers)  # eagle3: its layers after h
+    h = target_hidden(model, seq, torch.ones_like(seq), heads.target_layers)  # eagle3: its layers after h
     states = heads(h, seq, model.get_input_embeddings())  # [K, 1, T, d]
     k, t = len(path), len(committed) - 2
     logits = heads.logits(k, states[k, 0, t], model.get_output_embeddings()).double()
@@ -181,9 +181,8 @@ class OracleMixin:
 
 
 def oracle_heads(heads, target, truth: list[int]) -> HeadsDrafter:
-    """OracleMixin over the drafter the heads' kind gets (`HeadsDrafter`, or `Eagle3Drafter` for eagle3 heads)."""
-    base = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}.get(heads.spec.kind, HeadsDrafter)
-    return type("OracleHeads", (OracleMixin, base), {})(heads, target, truth)
+    """OracleMixin over `HeadsDrafter` (whatever the heads' kind)."""
+    return type("OracleHeads", (OracleMixin, HeadsDrafter), {})(heads, target, truth)
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -215,7 +214,7 @@ def test_heads_trained_with_a_draft_vocabulary_draft_what_training_predicts(tmp_
     from tiny import save_tiny
 
     from medusa_train.config import load_config
-    from medusa_train.trainer import train
+    from medusa_train.train.trainer import train
 
     model = save_tiny(tmp_path / "model", "llama", seed=4)
     words = "one two three four five six seven eight nine ten apples and oranges fall from trees".split()

@@ -9,10 +9,11 @@ from test_inference_greedy import float64_model
 from tiny import tiny_model, tiny_tokenizer
 
 from inference import HeadsDrafter, SpeculativeGenerator
-from inference.engine.drafters import DraftContext, Eagle3Drafter
-from medusa_train.eagle3 import NORMS, default_aux_layers
-from medusa_train.heads import DraftHeads
-from medusa_train.target import capture_layers, target_hidden
+from inference.engine.drafters import DraftContext
+from medusa_train.kinds.eagle3 import NORMS
+from medusa_train.kinds.heads import default_aux_layers
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.target.model import capture_layers, target_hidden
 
 ARCHS = ["llama", "qwen2", "mistral"]
 
@@ -68,13 +69,13 @@ def test_training_time_test_states_equal_what_the_drafter_computes_on_the_same_p
     assert heads.spec.norms == [n for n in NORMS if n in norms]
     heads = perturbed(heads, 0).double()
     ids = torch.randint(0, 256, (1, 15), generator=torch.Generator().manual_seed(2))
-    feats = target_hidden(model, ids, None, heads.spec.aux_layers)
+    feats = target_hidden(model, ids, None, heads.target_layers)
     embed = model.get_input_embeddings()
     with torch.no_grad():
         states = heads(feats, ids, embed)  # [K, 1, T, d]
         want = torch.log_softmax(torch.stack([heads.logits(k, states[k]) for k in range(steps)]), dim=-1)
     drafter = HeadsDrafter(heads, model)
-    assert isinstance(drafter, Eagle3Drafter) and drafter.target_layers == tuple(heads.spec.aux_layers)
+    assert drafter.chained and drafter.target_layers == tuple(heads.spec.aux_layers)
     for t in (0, 4, 9):
         drafter.reset()
         with torch.no_grad():

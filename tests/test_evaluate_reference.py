@@ -10,10 +10,10 @@ import torch
 from test_inference_greedy import float64_model, greedy_reference
 
 from medusa_train.config import LossConfig
-from medusa_train.evaluate import MAX_RANK, acceptance_from_hits, conditional_rank_hits, evaluate
-from medusa_train.heads import DraftHeads
-from medusa_train.target import target_hidden
-from medusa_train.target_states import TargetStates
+from medusa_train.train.evaluate import MAX_RANK, acceptance_from_hits, conditional_rank_hits, evaluate
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.target.model import target_hidden
+from medusa_train.target.states import TargetStates
 
 K = 3
 

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny import save_tiny
 
-from medusa_train.eagle3 import NORMS
-from medusa_train.export import ExportError, import_speculators, main
-from medusa_train.heads import DraftHeads
-from medusa_train.files import cache_root
-from medusa_train.target import target_hidden
+from medusa_train.kinds.eagle3 import NORMS
+from medusa_train.export import ExportError, main
+from medusa_train.kinds.eagle3 import import_speculators
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.base.files import cache_root
+from medusa_train.target.model import target_hidden
 
 SPECULATORS = "speculators==0.9.0"
 # speculators 0.9 pins transformers<=5.19, so it is installed without its dependencies into a directory of its own,
@@ -93,7 +94,7 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
     root, target, heads = request.getfixturevalue(heads_fixture)
     assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
-    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    feats = target_hidden(target, ids, None, heads.target_layers)
     with torch.no_grad():
         states = heads(feats, ids, target.get_input_embeddings())
         ours = torch.stack([heads.logits(k, states[k]) for k in range(3)])[:, 0]  # [K, T, V_draft], by target id
@@ -130,7 +131,7 @@ def test_speculators_dflash_loads_the_export_and_computes_our_logits(dflash_dir,
     assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
     T, K = 16, heads.spec.num_heads
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
-    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    feats = target_hidden(target, ids, None, heads.target_layers)
     with torch.no_grad():
         states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]: head k at t, a block after t
         ours = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # [K, T, V_draft]
@@ -215,7 +216,7 @@ def test_a_speculators_drafter_imports_back_into_the_same_heads(heads_fixture, t
     mine, theirs = heads.state_dict(), back.state_dict()
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
-    feats = target_hidden(target, ids, None, heads.spec.aux_layers)
+    feats = target_hidden(target, ids, None, heads.target_layers)
     with torch.no_grad():
         a, b = heads(feats, ids, target.get_input_embeddings()), back(feats, ids, target.get_input_embeddings())
     assert torch.equal(a, b)
@@ -277,7 +278,7 @@ def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
         ([str(root / "heads"), str(tmp_path / "o3"), "--format", "mlp_speculator"], "holds eagle3 heads"),
         ([str(tmp_path / "drafty"), str(tmp_path / "o4"), "--format", "medusa"],
          r"heads.draft_vocab_size=0 .* holds parallel heads \(heads.draft_vocab_size=10\): no format holds them; "
-         r"heads that export are trained with heads.kind=eagle3"),
+         r"heads that export are trained with .*heads.kind=eagle3 \(speculators: vLLM and SGLang\)"),
         ([str(tmp_path / "chained"), str(tmp_path / "o8"), "--format", "mlp_speculator"],
          r"holds heads trained with heads.kind=chained heads.block=mlp_speculator .* holds chained heads: no format "
          r"holds them"),
@@ -323,7 +324,7 @@ def run(argv: list[str]) -> int:
 def test_a_directory_is_written_whole_or_not_at_all(tmp_path):
     """`files.atomic_write_dir`, behind every export and a joint run's adapter: a failed write leaves the old
     directory as it was and nothing beside it; a finished one replaces it whole."""
-    from medusa_train.files import _umask, atomic_write_dir
+    from medusa_train.base.files import _umask, atomic_write_dir
 
     out = tmp_path / "out"
     atomic_write_dir(out, lambda d: (d / "a.txt").write_text("old"))

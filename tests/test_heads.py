@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny import tiny_model
 
-from medusa_train.heads import DraftHeads
+from medusa_train.kinds.heads import DraftHeads
 
 
 def test_untrained_residual_and_parallel_heads_start_as_the_targets_own_guess():
@@ -71,3 +72,38 @@ def test_saved_heads_are_readable_by_others_like_any_new_file(tmp_path):
     DraftHeads.for_target(tiny_model("llama"), "chained", 2).save_pretrained(tmp_path / "heads")
     for name in ("model.safetensors", "config.json"):
         assert os.stat(tmp_path / "heads" / name).st_mode & 0o777 == want, name
+
+
+@pytest.mark.parametrize("kind", ["chained", "parallel", "eagle3", "dflash"])
+def test_heads_saved_before_the_kinds_had_options_of_their_own_load_as_they_were(tmp_path, kind):
+    """Heads saved before the kinds had modules kept every kind's fields flat in config.json (a chained spec held
+    aux_layers [], norms [], mask_token_id -1; eagle3 heads before the norms held none): they load, each kind taking
+    its own fields and passing over the others', with the same weights and the same states; saved again, config.json
+    holds only its own kind's options."""
+    from medusa_train.kinds import KINDS
+
+    target = tiny_model("llama")
+    heads = DraftHeads.for_target(target, kind, 2, norms=[]) if kind == "eagle3" else DraftHeads.for_target(
+        target, kind, 2)
+    heads.save_pretrained(tmp_path / "new")
+    raw = json.loads((tmp_path / "new" / "config.json").read_text())
+    old = {"layers_per_head": 1, "block": "residual", "own_embed": False, "own_lm_head": False,
+           "draft_vocab_size": 0, "context_layers": 0, "aux_layers": [], "layer_config": {}, "mask_token_id": -1,
+           "norms": []} | raw
+    old.pop("anchors", None)  # dflash heads before heads.anchors was saved
+    if kind == "eagle3":
+        old.pop("norms")  # eagle3 heads before the norms
+    (tmp_path / "new" / "config.json").write_text(json.dumps(old))
+    back = DraftHeads.from_pretrained(tmp_path / "new", target)
+    assert type(back) is KINDS[kind]
+    own = {f.name for f in dataclasses.fields(KINDS[kind].Options)}
+    common = {f.name for f in dataclasses.fields(back.spec)} - {"options"}
+    assert set(raw) == set(back.spec.to_json()) == common | own  # saved: its own kind's options, none of the others'
+    for name in own - {"anchors"}:
+        assert getattr(back.spec, name) == getattr(heads.spec, name), name
+    h = torch.randn(1, 6, back.feature_size)
+    ids = torch.randint(0, 260, (1, 6))
+    embed = target.get_input_embeddings()
+    torch.testing.assert_close(back(h, ids, embed), heads(h, ids, embed))
+    if kind == "eagle3":
+        assert back.spec.norms == []

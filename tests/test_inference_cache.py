@@ -74,7 +74,7 @@ def test_the_cache_goes_in_by_the_keyword_the_model_takes(arch):
     import inspect
     import warnings
 
-    from medusa_train.target import cache_kwargs
+    from medusa_train.target.model import cache_kwargs
 
     model = float64_model(arch)
     takes = "cache" if "cache" in inspect.signature(type(model.base_model).forward).parameters else "past_key_values"

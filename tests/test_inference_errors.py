@@ -10,7 +10,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from inference import (ContextLengthError, HeadsDrafter, NGramDrafter, SpeculativeGenerator,
                        UnsupportedModelError)
-from medusa_train.heads import DraftHeads, HeadsMismatchError
+from medusa_train.kinds.heads import DraftHeads, HeadsMismatchError
 
 
 
@@ -143,7 +143,7 @@ def test_an_unreachable_hub_fails_at_once_in_one_line(tmp_path, monkeypatch):
     import transformers
 
     from medusa_train.config import ConfigError, load_config
-    from medusa_train.trainer import train
+    from medusa_train.train.trainer import train
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))

@@ -15,7 +15,7 @@ from tiny import VOCAB, tiny_model, tiny_tokenizer
 
 from inference import BigramDrafter, HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
 from inference.engine.drafters import DraftContext
-from medusa_train.heads import DraftHeads
+from medusa_train.kinds.heads import DraftHeads
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 
@@ -245,7 +245,7 @@ def test_default_eos_comes_from_generation_config():
 def test_budget_zero_is_plain_decoding_and_drafts_nothing(kind, monkeypatch):
     """A budget of 0 drafts nothing: output equal to `generate`'s, and no drafting work at all (no drafter method,
     no head module, no captured layers), heads with history (eagle3, context heads) included."""
-    import medusa_train.target as target_module
+    import medusa_train.target.model as target_module
 
     model = float64_model("qwen2", seed=6)
     heads = random_heads(model, kind, 3, context_layers=1 if kind == "chained" else 0)

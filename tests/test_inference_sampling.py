@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from inference import HeadsDrafter, HybridDrafter, NGramDrafter, SpeculativeGenerator, TreeDrafter
-from medusa_train.heads import DraftHeads
+from medusa_train.kinds.heads import DraftHeads
 
 V = 4
 N_TOKENS = 3

@@ -17,16 +17,16 @@ from runs import config, torchrun_train, write_text_data
 from safetensors.torch import load_file
 from test_inference_greedy import greedy_reference
 
-import medusa_train.optim as optim
-import medusa_train.processes as processes
-import medusa_train.run as run_setup
+import medusa_train.train.optim as optim
+import medusa_train.train.processes as processes
+import medusa_train.train.run as run_setup
 from inference import SpeculativeGenerator
-from medusa_train.cli import main
+from medusa_train.train.cli import main
 from medusa_train.config import ConfigError, LoraSettings, LossConfig
-from medusa_train.heads import DraftHeads, HeadsMismatchError
-from medusa_train.joint import JointObjective, add_lora, lm_kl
-from medusa_train.target import peft_quietly
-from medusa_train.trainer import train
+from medusa_train.kinds.heads import DraftHeads, HeadsMismatchError
+from medusa_train.train.joint import JointObjective, add_lora, lm_kl
+from medusa_train.target.model import peft_quietly
+from medusa_train.train.trainer import train
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:

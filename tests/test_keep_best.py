@@ -14,8 +14,8 @@ from runs import ROOT, WORDS, config, read_jsonl
 from safetensors.torch import load_file
 
 from medusa_train.config import ConfigError
-from medusa_train.evaluate import acceptance_from_hits, bootstrap_stderr, tree_taus
-from medusa_train.trainer import train
+from medusa_train.train.evaluate import acceptance_from_hits, bootstrap_stderr, tree_taus
+from medusa_train.train.trainer import train
 
 TAU = ["eval.tau_every=4", "eval.tau_num_prompts=3", "eval.tau_max_new_tokens=12", "eval.tau_budget=4"]
 
@@ -102,8 +102,8 @@ def test_the_logged_real_tau_is_the_engines_on_the_best_checkpoint(ws, tau_run):
     the same budget and tokens, measures exactly the logged tau; output_dir ends with those heads."""
     from transformers import AutoTokenizer
 
-    from medusa_train.data import build_datasets
-    from medusa_train.tau import tau_prompt_ids
+    from medusa_train.data.rows import build_datasets
+    from medusa_train.train.tau import tau_prompt_ids
 
     cfg, result = tau_run
     out = Path(cfg.output_dir)
@@ -150,8 +150,8 @@ def test_every_kind_logs_the_engines_tau(ws, kind):
     """Every head kind, with and without a draft vocabulary: the final real tau is the engine's on the saved heads."""
     from transformers import AutoTokenizer
 
-    from medusa_train.data import build_datasets
-    from medusa_train.tau import tau_prompt_ids
+    from medusa_train.data.rows import build_datasets
+    from medusa_train.train.tau import tau_prompt_ids
 
     heads = {"parallel": ["heads.kind=parallel"], "eagle3": ["heads.kind=eagle3"],
              "chained-draft-vocab": ["heads.draft_vocab_size=64"], "chained-context": ["heads.context_layers=1"]}[kind]
@@ -190,7 +190,7 @@ def test_keep_best_by_expected_tau_survives_a_stop_and_resume(ws, monkeypatch):
     step-8 checkpoint and resumed ends as the uninterrupted run ends: the same best step, value and heads."""
     import signal
 
-    import medusa_train.trainer as trainer
+    import medusa_train.train.trainer as trainer
 
     common = ["train.max_steps=16", "train.save_every=8", "eval.every=4", "train.keep_best=expected_tau",
               "eval.tau_budget=4"]
@@ -253,7 +253,7 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not out.exists()
-    import medusa_train.run as run_setup
+    import medusa_train.train.run as run_setup
 
     empty = tmp_path / "no-prompts.jsonl"
     empty.write_text('{"score": 1}\n')
@@ -265,7 +265,7 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
         config(ws, "x", "eval.tau_every=4", "data.eval_size=0")
     with pytest.raises(ConfigError, match="with target.lora the target's adapter trains too"):
         config(ws, "x", "eval.tau_every=4", "train.keep_best=tau", "target.lora.r=4")
-    from medusa_train.best import keep_best_metric
+    from medusa_train.train.best import keep_best_metric
     assert keep_best_metric(config(ws, "x", "eval.tau_every=4", "target.lora.r=4"), True) == "last"
     assert keep_best_metric(config(ws, "x", "eval.tau_every=4"), True) == "tau"
     assert keep_best_metric(config(ws, "x", "eval.every=4"), True) == "expected_tau"

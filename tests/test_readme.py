@@ -92,7 +92,7 @@ def check_command(command: str, tmp_path: Path, monkeypatch) -> str:
         return "external"
     assert words[0] == "python", f"an unknown program in the README: {command}"
     if words[1] == "train.py":
-        args = parse_with_program("medusa_train.cli", words[2:], monkeypatch)
+        args = parse_with_program("medusa_train.train.cli", words[2:], monkeypatch)
         check_recipe(args.recipe, args.overrides, tmp_path, monkeypatch)
         return "train"
     assert words[1] == "-m", command
@@ -106,8 +106,8 @@ def test_every_readme_command_parses(tmp_path, monkeypatch):
     kinds = [check_command(c, tmp_path, monkeypatch) for c in readme_commands()]
     # what the README shows: the main job, the tests, training in all three launches, distillation, the generate
     # and bench commands, evaluation, the export in two formats
-    for kind in ("script", "train", "medusa_train.distill", "inference.generate", "inference.bench",
-                 "medusa_train.evaluate", "medusa_train.export"):
+    for kind in ("script", "train", "medusa_train.data.distill", "inference.generate", "inference.bench",
+                 "medusa_train.train.evaluate", "medusa_train.export"):
         assert kind in kinds
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from medusa_train.config import load_config
-from medusa_train.files import looks_local
+from medusa_train.base.files import looks_local
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -69,7 +69,7 @@ def test_vicuna_template_supervises_exactly_the_replies():
     """The recipe's own chat template for Vicuna (whose tokenizer has none), through the data pipeline."""
     from tiny import tiny_tokenizer
 
-    from medusa_train.chat import tokenize_chat
+    from medusa_train.data.chat import tokenize_chat
 
     tok = tiny_tokenizer()
     tok.chat_template = (ROOT / "recipes" / "templates" / "vicuna_v1.1.jinja").read_text()

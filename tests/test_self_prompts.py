@@ -75,8 +75,8 @@ def test_each_filter_drops_what_it_should():
 
 
 def test_distill_answers_the_kept_requests_excludes_benchmarks_and_resumes(tmp_path, monkeypatch):
-    """`python -m medusa_train.distill RECIPE --prompts self --limit N`: the kept requests get the target's replies,
-    every row says its prompt was self-written, --exclude's prompts are gone, and a rerun adds nothing."""
+    """`python -m medusa_train.data.distill RECIPE --prompts self --limit N`: the kept requests get the target's
+    replies, every row says its prompt was self-written, --exclude's prompts are gone, and a rerun adds nothing."""
     save_tiny(tmp_path / "model", "llama")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"target: {{model: {tmp_path / 'model'}}}\ndata: {{dataset: x.jsonl, format: chat}}\n")

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 from medusa_train.export import main as export_main
-from medusa_train.files import cache_root
-from medusa_train.heads import DraftHeads
+from medusa_train.base.files import cache_root
+from medusa_train.kinds.heads import DraftHeads
 
 SGLANG = "0.5.23"
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +198,8 @@ def test_a_broken_export_is_caught(export, sglang_src, tmp_path, plant):
         config = json.loads((broken / "config.json").read_text())
         if plant == "aux ids not shifted":
             config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = heads.spec.aux_layers
-        else:
-            config["norm_before_fc"] = True
+        else:  # the flag says the opposite of how the heads were trained
+            config["norm_before_fc"] = not config["norm_before_fc"]
         (broken / "config.json").write_text(json.dumps(config))
     assert check_export(broken, heads, sglang_src) != []
 

@@ -151,7 +151,7 @@ def test_what_a_sharded_target_cannot_run_is_refused_in_one_line(ws, tmp_path):
 ])
 def test_each_refusal_names_its_key_and_the_fix(ws, override, says):
     from medusa_train.config import ConfigError
-    from medusa_train.sharding import Sharding, check_shardable
+    from medusa_train.target.sharding import Sharding, check_shardable
     from runs import config
 
     check_shardable(config(ws, "ok", "data.eval_size=4"), world_size=2)  # the base recipe is fine
@@ -200,7 +200,7 @@ DEEPSPEED_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_
 ])
 def test_what_the_deepspeed_config_asks_for_is_read_or_refused_in_one_line(monkeypatch, env, says):
     from medusa_train.config import ConfigError
-    from medusa_train.sharding import Sharding, take_over_sharding
+    from medusa_train.target.sharding import Sharding, take_over_sharding
 
     for key, value in (DEEPSPEED_ENV | env).items():
         monkeypatch.setenv(key, value)
@@ -216,7 +216,7 @@ def test_what_the_deepspeed_config_asks_for_is_read_or_refused_in_one_line(monke
 
 def test_a_deepspeed_json_config_is_read_for_its_stage_and_offload(monkeypatch, tmp_path):
     from medusa_train.config import ConfigError
-    from medusa_train.sharding import Sharding, sharding_requested
+    from medusa_train.target.sharding import Sharding, sharding_requested
 
     path = tmp_path / "ds.json"
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -231,7 +231,7 @@ def test_a_deepspeed_json_config_is_read_for_its_stage_and_offload(monkeypatch, 
 
 def test_deepspeed_asked_for_but_not_installed_says_how_to_install_it(monkeypatch):
     from medusa_train.config import ConfigError
-    from medusa_train.sharding import sharding_requested
+    from medusa_train.target.sharding import sharding_requested
 
     for key, value in DEEPSPEED_ENV.items():
         monkeypatch.setenv(key, value)

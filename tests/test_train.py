@@ -20,8 +20,8 @@ from runs import ROOT, config, read_jsonl, torchrun_train, write_text_data
 from safetensors.torch import load_file
 
 from medusa_train.config import load_config
-from medusa_train.heads import DraftHeads, HeadsMismatchError
-from medusa_train.trainer import train
+from medusa_train.kinds.heads import DraftHeads, HeadsMismatchError
+from medusa_train.train.trainer import train
 
 
 
@@ -311,7 +311,7 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
 
 
 def test_warmup_cosine_schedule():
-    from medusa_train.optim import warmup_cosine
+    from medusa_train.train.optim import warmup_cosine
 
     lr = [warmup_cosine(s, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(11)]
     assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
@@ -321,7 +321,7 @@ def test_warmup_cosine_schedule():
 
 def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
     """The loss written position by position, straight from the definition, full logits, no chunks."""
-    from medusa_train.target import target_hidden
+    from medusa_train.target.model import target_hidden
 
     h = target_hidden(target, ids, mask)
     states = heads(h, ids, target.get_input_embeddings())
@@ -357,7 +357,7 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     from tiny import tiny_model
 
     from medusa_train.config import LossConfig
-    from medusa_train.losses import HeadsObjective
+    from medusa_train.train.losses import HeadsObjective
 
     torch.manual_seed(0)
     target = tiny_model("llama")
@@ -375,7 +375,7 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
     cfg = LossConfig(distill_weight=1.0, ce_weight=0.5, decay=0.8)
     ref = naive_loss(heads, target, ids, labels, mask, cfg)
     ref_grads = torch.autograd.grad(ref, list(heads.parameters()))
-    from medusa_train.target_states import TargetStates
+    from medusa_train.target.states import TargetStates
 
     h, greedy = TargetStates(target, target.get_output_embeddings())({"input_ids": ids, "attention_mask": mask})
     ref_stats = None
@@ -394,7 +394,7 @@ def test_chunked_fused_loss_equals_the_definition(kind, draft, own):
 def test_cpu_chunks_stay_under_the_mmap_threshold():
     """On a CPU a chunk's [rows, vocab] fp32 tensors stay under CPU_CHUNK_BYTES (larger ones are fresh mmaps
     that page-fault on every use); on other devices the configured chunk size holds."""
-    from medusa_train.losses import CPU_CHUNK_BYTES, chunk_positions
+    from medusa_train.target.model import CPU_CHUNK_BYTES, chunk_positions
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for vocab in (260, 8192, 49152, 152064):
@@ -407,8 +407,8 @@ def test_cpu_chunks_stay_under_the_mmap_threshold():
 
 def spy_training_forwards(monkeypatch) -> list[tuple[torch.dtype, int]]:
     """(dtype, rows) of every target forward a training step makes; held-out evaluation's own are not counted."""
-    import medusa_train.target_states as target_states
-    import medusa_train.trainer as trainer
+    import medusa_train.target.states as target_states
+    import medusa_train.train.trainer as trainer
 
     calls: list[tuple[torch.dtype, int]] = []
     in_eval = [False]
@@ -545,10 +545,10 @@ def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, t
 
 
 def test_weight_decay_shrinks_matrices_and_leaves_biases_and_norm_scales():
-    from medusa_train.heads import HeadsSpec
-    from medusa_train.optim import param_groups
+    from medusa_train.kinds.heads import make_spec
+    from medusa_train.train.optim import param_groups
 
-    heads = DraftHeads(HeadsSpec(kind="chained", num_heads=2, hidden_size=64, vocab_size=100, context_layers=1))
+    heads = DraftHeads(make_spec(kind="chained", num_heads=2, hidden_size=64, vocab_size=100, context_layers=1))
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(1.0)  # zero-initialised weights would not show decay
@@ -592,7 +592,7 @@ def test_the_optimizer_sees_gradients_clipped_to_max_grad_norm(ws, monkeypatch):
 
 def nan_on_calls(monkeypatch, bad: set[int]) -> list[int]:
     """Make the training objective return a NaN loss on the given calls (0-based); returns the call counter."""
-    from medusa_train.losses import HeadsObjective
+    from medusa_train.train.losses import HeadsObjective
 
     calls = [0]
     real = HeadsObjective.forward
@@ -622,7 +622,7 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_and_counted(ws, monkeypatc
 def test_a_diverging_run_stops_with_exit_1_and_keeps_its_last_checkpoint(ws, monkeypatch, capsys):
     """Non-finite gradients from step 5 on: after train.max_nonfinite_steps of them the run stops with one line
     and exit code 1, without saving heads or a checkpoint over the last good one (step 4)."""
-    from medusa_train.cli import main
+    from medusa_train.train.cli import main
 
     nan_on_calls(monkeypatch, set(range(4, 100)))
     out = ws / "diverged"
@@ -696,8 +696,8 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     """An output directory that cannot be written, a disk too small for the checkpoints, sequences longer than the
     target's positions: each a one-line ConfigError before any model loads (with save_every=0 an unwritable
     output_dir used to surface only after the whole run, at its first write)."""
-    import medusa_train.preflight as preflight
-    import medusa_train.run as run_setup
+    import medusa_train.train.preflight as preflight
+    import medusa_train.train.run as run_setup
     from medusa_train.config import ConfigError
 
     monkeypatch.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -724,8 +724,8 @@ def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, mo
     """The engine's support rules run on the target's config before anything loads: ALiBi (Bloom) and recurrent
     layers (LFM2's convolutions) stop with one line naming the model type; eagle3 heads on OPT find its decoder
     layers one level down (model.decoder.layers) and pass."""
-    import medusa_train.preflight as preflight
-    import medusa_train.run as run_setup
+    import medusa_train.train.preflight as preflight
+    import medusa_train.train.run as run_setup
     from medusa_train.config import ConfigError
 
     from archs import tiny_config
@@ -799,7 +799,7 @@ def test_rotation_keeps_the_checkpoints_that_verify(ws, capsys):
 def test_an_exploding_loss_is_a_divergence(ws, capsys):
     """lr=1e6: the loss grows by orders of magnitude while staying finite (no step is skipped). The run stops with
     exit code 1 and one line, keeps the last checkpoint written before the explosion, and saves no heads."""
-    from medusa_train.cli import main
+    from medusa_train.train.cli import main
 
     out = ws / "explode"
     code = main([str(ws / "base.yaml"), f"output_dir={out}", "train.lr=1e6", "train.warmup_steps=0",
@@ -823,7 +823,7 @@ def test_an_exploding_loss_is_a_divergence(ws, capsys):
 
 def test_damaged_heads_and_hidden_cache_files_are_named_in_one_line(ws, run20, tmp_path):
     from medusa_train.config import ConfigError
-    from medusa_train.target_states import TargetStates
+    from medusa_train.target.states import TargetStates
 
     cfg, result = run20
     heads = tmp_path / "heads"
@@ -874,7 +874,7 @@ def test_sigkill_at_a_random_point_then_resume_ends_as_an_uninterrupted_run(ws, 
 def test_a_data_error_is_the_first_thing_printed(ws, tmp_path, capsys):
     """An empty dataset stops with exit code 2 and one line, before the resolved config is printed (it came after a
     70-line dump of the recipe)."""
-    from medusa_train.cli import main
+    from medusa_train.train.cli import main
 
     (tmp_path / "empty.jsonl").write_text("")
     code = main([str(ws / "base.yaml"), f"output_dir={tmp_path / 'out'}", f"data.dataset={tmp_path / 'empty.jsonl'}"])

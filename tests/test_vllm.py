@@ -36,10 +36,10 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny, tiny_tokenizer
 
 from inference.engine.drafters import DraftContext, HeadsDrafter
-from medusa_train.eagle3 import NORMS
-from medusa_train.files import cache_root
-from medusa_train.heads import DraftHeads
-from medusa_train.target import target_hidden
+from medusa_train.kinds.eagle3 import NORMS
+from medusa_train.base.files import cache_root
+from medusa_train.kinds.heads import DraftHeads
+from medusa_train.target.model import target_hidden
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
@@ -107,8 +107,8 @@ def train_tiny(root: Path, arch: str, heads: str, train: str) -> tuple[Path, obj
     (`distill`), and heads (the recipe's `heads:` mapping, `train:` settings) trained on them by `train.py`'s entry
     point: (work dir, target, the held-out prompts as token ids, heads dir)."""
     from medusa_train import cli
-    from medusa_train.distill import distill
-    from medusa_train.prompts import Prompt
+    from medusa_train.data.distill import distill
+    from medusa_train.data.prompts import Prompt
 
     # head_dim 64, as vLLM's CPU kernels take; weights drawn wider than transformers' default (0.02), whose tiny
     # models repeat one or two tokens: drafts right about those tell a broken export from a good one too rarely
@@ -306,16 +306,16 @@ def test_every_setting_vllm_defaults_is_written(trained, vllm_venv, tmp_path):
 
 
 def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
-    """`python -m medusa_train.vllm_states` (issue: a target served with tensor parallelism feeds the trainer): vLLM's
-    `extract_hidden_states` computes every training row's states for eagle3 heads (h and three aux layers); they
+    """`python -m medusa_train.target.vllm_states` (issue: a target served with tensor parallelism feeds the trainer):
+    vLLM's `extract_hidden_states` computes every training row's states for eagle3 heads (h and three aux layers); they
     equal our own forward's, and heads trained from them equal heads trained online."""
     from runs import write_text_data
 
     from medusa_train import cli
     from medusa_train.config import load_config
-    from medusa_train.data import build_datasets
-    from medusa_train.target import load_tokenizer
-    from medusa_train.target_states import row_key
+    from medusa_train.data.rows import build_datasets
+    from medusa_train.target.model import load_tokenizer
+    from medusa_train.target.states import row_key
 
     target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
     write_text_data(tmp_path / "text.jsonl")
@@ -329,7 +329,7 @@ def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",)} | {
         "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "medusa_train.vllm_states", str(recipe),
+    proc = subprocess.run([sys.executable, "-m", "medusa_train.target.vllm_states", str(recipe),
                            f"train.hidden_cache_dir={cache}", "--vllm-python", str(vllm_venv / "bin" / "python")],
                           env=env, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""Filling the hidden-state cache from vLLM (`python -m medusa_train.vllm_states`), the parts that need no vLLM: the
-layers asked of vLLM and the conversion of what it returns (the aux layers and the last layer's output before the
+"""Filling the hidden-state cache from vLLM (`python -m medusa_train.target.vllm_states`), the parts that need no vLLM:
+the layers asked of vLLM and the conversion of what it returns (the aux layers and the last layer's output before the
 final norm) into the cache's rows, checked against our own forward on several architectures (each names its final
 norm differently); the CLI's one-line refusals. vLLM itself computes them in tests/test_vllm.py (`-m vllm`)."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from archs import tiny_model
 
-from medusa_train.target import capture_layers, decoder, decoder_layers, target_hidden
-from medusa_train.vllm_states import final_norm, rows_to_cache, vllm_layers
+from medusa_train.target.model import capture_layers, decoder, decoder_layers, target_hidden
+from medusa_train.target.vllm_states import final_norm, rows_to_cache, vllm_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_vllms_layers_become_the_rows_our_forward_writes(model_type, aux):
 def test_the_cli_refuses_bad_input_in_one_line(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "a b c"}\n')
     (tmp_path / "r.yaml").write_text(f"target: {{model: some/model}}\ndata: {{dataset: {tmp_path / 'd.jsonl'}}}\n")
-    base = [sys.executable, "-m", "medusa_train.vllm_states", str(tmp_path / "r.yaml")]
+    base = [sys.executable, "-m", "medusa_train.target.vllm_states", str(tmp_path / "r.yaml")]
     proc = subprocess.run([*base, "--vllm-python", sys.executable], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

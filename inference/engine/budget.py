@@ -131,7 +131,7 @@ def timings_file() -> Path | None:
         return None
     if where:
         return Path(os.path.expanduser(where))
-    from medusa_train.files import cache_root
+    from medusa_train.base.files import cache_root
 
     return cache_root() / "timings.json"
 
@@ -181,7 +181,7 @@ def read_timings(key: str):
 
 def write_timings(key: str, value) -> None:
     """Keep `value` (JSON; None: drop the key) under `key` in the timings file, atomically, other keys kept."""
-    from medusa_train.files import atomic_write_text
+    from medusa_train.base.files import atomic_write_text
 
     path = timings_file()
     if path is None:

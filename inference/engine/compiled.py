@@ -30,9 +30,9 @@ from torch import nn
 
 from inference.engine.kernels import undo_onednn_linear
 from inference.engine.kv import new_static_cache, set_static_length
-from medusa_train.target import cache_kwargs
+from medusa_train.target.model import cache_kwargs
 from inference.engine.tree import Tree
-from medusa_train.target import decoder, final_logits, hidden_with_layers, logit_transform
+from medusa_train.target.model import decoder, final_logits, hidden_with_layers, logit_transform
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # verify row counts compiled for (a tree is padded to the next)
 CAPACITY_STEP = 256  # cache capacity is reserved in multiples of this (each new capacity compiles again)

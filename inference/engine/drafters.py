@@ -3,9 +3,10 @@
 One small interface, `Drafter.draft(ctx) -> Tree`, with three implementations here (and `BigramDrafter`, the
 draft-free baseline, in `inference.engine.bigram`):
 
-- `HeadsDrafter`: the trained draft heads (chained, parallel, eagle3 or dflash). Chained heads expand the tree depth by
-  depth, running head k once on the batch of frontier nodes (each reads its parent's state and token).
-  Heads with a context encoder keep its KV cache over committed positions (`observe`).
+- `HeadsDrafter`: trained draft heads of any kind; the kind's `Drafting` (its module in `medusa_train.kinds`) gives
+  each level's distributions: chained heads run head k once on the batch of a level's nodes (each reads its parent's
+  state and token), parallel and dflash heads score every level at once; heads that read the committed context
+  (eagle3, dflash, context encoders) keep their own cache of it (`observe`).
 - `NGramDrafter`: prompt lookup; match the last n tokens of the context earlier in the context and
   propose what followed (several matches give several branches).
 - `HybridDrafter`: another drafter's tree (the heads') with the n-gram lookup's continuation grafted
@@ -33,7 +34,7 @@ from torch import nn
 from inference.engine.kernels import use_fastest_linear
 from inference.engine.tree import (Tree, TreeTopology, default_topk_accuracy, expected_tau_curve, graft_branches,
                                    select_dynamic_tree, static_tree_search, topology_from_paths, tree_from_parents)
-from medusa_train.target import logit_transform
+from medusa_train.target.model import logit_transform
 
 TreeSpec = str | Sequence[Sequence[int]]  # "static" | "dynamic" | explicit rank paths
 
@@ -205,16 +206,12 @@ class TreeDrafter(Drafter):
 
 
 class HeadsDrafter(TreeDrafter):
-    """Draft with trained heads (`medusa_train.heads.DraftHeads`) on the target's own embedding / LM head.
+    """Draft with trained heads of any kind (`medusa_train.kinds`) on the target's own embedding / LM head: the heads'
+    `Drafting` gives each tree level's distributions, this class turns them into candidates and trees.
 
     topk_accuracy: [head][rank] acceptance rates measured by the trainer (`acceptance.json`); None uses
-    a default prior. It shapes static trees and the auto budget. eagle3 heads get an `Eagle3Drafter`.
+    a default prior. It shapes static trees and the auto budget.
     """
-
-    def __new__(cls, heads: nn.Module, *args, **kwargs):
-        if cls is HeadsDrafter and heads.spec.kind in ("eagle3", "dflash"):
-            cls = Eagle3Drafter if heads.spec.kind == "eagle3" else DFlashDrafter
-        return super().__new__(cls)
 
     def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
         super().__init__()
@@ -228,12 +225,7 @@ class HeadsDrafter(TreeDrafter):
         self.transform = logit_transform(target.config)
         self.max_depth = heads.spec.num_heads
         self.max_candidates = heads.spec.scored_vocab
-        self.chained = heads.spec.kind == "chained"
         self._topk_accuracy = topk_accuracy
-        # context heads: the encoder's KV cache over committed positions, and c at the last one
-        self.needs_history = heads.context is not None
-        self._context_cache = None
-        self._context: torch.Tensor | None = None
         # heads scoring a reduced draft vocabulary with the target's LM head: gather those rows once into a
         # layer of their own (the same product `heads.logits` computes), so the fast kernel packs them too
         self._draft_lm: nn.Linear | None = None
@@ -242,12 +234,16 @@ class HeadsDrafter(TreeDrafter):
             self._draft_lm = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
             self._draft_lm.weight = nn.Parameter(rows, requires_grad=False)
             use_fastest_linear(self._draft_lm, DRAFT_ROWS)
+        self._drafting = self.heads.drafting(self.embed, self.head_logits, weight.dtype)
+        self.chained = self._drafting.per_node  # a level's candidates depend on each node (else one row a level)
+        self.needs_history = self._drafting.needs_history
+        self.target_layers = tuple(self.heads.target_layers)
 
     @classmethod
     def from_pretrained(cls, heads_dir: str | os.PathLike, target: nn.Module) -> HeadsDrafter:
         """Load heads (refused with HeadsMismatchError if trained for another target) and, if present,
         the trainer's `acceptance.json`."""
-        from medusa_train.heads import DraftHeads
+        from medusa_train.kinds.heads import DraftHeads
 
         heads = DraftHeads.from_pretrained(heads_dir, target=target)
         return cls(heads, target, load_topk_accuracy(heads_dir))
@@ -256,50 +252,28 @@ class HeadsDrafter(TreeDrafter):
         return self._topk_accuracy or default_topk_accuracy(self.max_depth)
 
     def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
-        """Head k's logits over the scored vocabulary: [M, V_draft]."""
+        """Head k's logits over the scored vocabulary for states s [M, d]: [M, V_draft]. Heads with an LM head of their
+        own score themselves; the others take the target's (its draft vocabulary's rows) on the fastest kernel."""
         if self._draft_lm is not None:
             return self._draft_lm(s)
-        if self.heads.lm_heads is not None:
-            return self.heads.lm_heads[k](s)
+        if self.heads.owns_lm_head:
+            return self.heads.score(k, s)
         return self.lm_head(s)  # = heads.logits, on the target's (fast) kernel
 
     def reset(self) -> None:
-        self._context_cache, self._context = None, None
+        self._drafting.reset()
 
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        if not self.needs_history:
-            return
-        dtype = self.lm_head.weight.dtype
-        e = self.heads.embed_tokens(next_tokens, self.embed).to(dtype)
-        self._context, self._context_cache = self.heads.context.extend(hidden.to(dtype), e, self._context_cache)
+        self._drafting.observe(hidden, next_tokens)
 
-    def root_state(self, ctx: DraftContext) -> torch.Tensor:
-        s0 = self.heads.start(ctx.hidden[None].to(self.lm_head.weight.dtype))  # s_0: [1, d]
-        if self.needs_history:
-            if self._context is None:
-                raise RuntimeError("these heads have a context encoder: feed it the committed positions with "
-                                   "observe() (SpeculativeGenerator does) before drafting")
-            s0 = s0 + self._context  # s_0 = h_t + c_t
-        if not self.chained:
-            # parallel heads all read h_t: score every head now, in one pass over a shared LM head (one
-            # read of its weight instead of K), and let `propose` take head k's row
-            states = torch.cat([self.heads.step(k, s0, None) for k in range(self.max_depth)])  # [K, d]
-            if self.heads.lm_heads is None:
-                logits = self.head_logits(0, states)  # [K, V_draft]
-            else:
-                logits = torch.cat([self.head_logits(k, states[k:k + 1]) for k in range(self.max_depth)])
-            self._parallel_logits = logits.float()
-        return s0
+    def root_state(self, ctx: DraftContext) -> torch.Tensor | None:
+        return self._drafting.root(ctx.root, ctx.hidden)
 
     def propose(self, k, tokens, states, num):
-        if self.chained:
-            s = self.heads.step(k, states, tokens, self.embed)  # [M, d]: s_{k+1}, reads the token at depth k
-            logits = self.head_logits(k, s).float()  # [M, V_draft]
-        else:
-            s, logits = states, self._parallel_logits[k:k + 1]  # [1, V_draft], the same for every node
-        cand, logq = self.candidates(logits, num)
+        logits, child = self._drafting.step(k, tokens, states)  # [M, V_draft], or [1, V_draft] for every node
+        cand, logq = self.candidates(logits.float(), num)
         m = tokens.shape[0]
-        return cand.expand(m, -1), logq.expand(m, -1), s
+        return cand.expand(m, -1), logq.expand(m, -1), child
 
     def candidates(self, logits: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `num` best of each row of logits [M, V_draft]: (target ids, their log-probabilities), best first."""
@@ -309,93 +283,6 @@ class HeadsDrafter(TreeDrafter):
         # a logsumexp beside the top-k: on a CPU that reduction ran as a dozen small ops, a quarter of drafting)
         top = torch.topk(torch.log_softmax(logits, dim=-1), num, dim=-1)
         return self.heads.to_target_ids(top.indices), top.values
-
-
-class Eagle3Drafter(HeadsDrafter):
-    """Draft with eagle3 heads (`medusa_train.eagle3`): its decoder layer keeps keys and values of every committed
-    position (`observe` runs step 0 over them, and its output at the last one scores the root's children); a node at
-    depth k >= 1 runs step k, attending to that cache and to its ancestors. A node's state is its parent's output
-    followed by the keys and values of its path (depths 1..k-1), so static and dynamic trees carry them as they
-    carry any state: [M, d + (K - 1) x 2 x kv_width]."""
-
-    def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
-        super().__init__(heads, target, topk_accuracy)
-        self.eagle3 = self.heads.eagle3
-        self.needs_history, self.chained = True, True
-        self.target_layers = tuple(heads.spec.aux_layers)
-        layer = self.eagle3.layer
-        self._kv_shape = (2, layer.num_kv_heads, layer.head_dim)
-        self._cache = None
-        self._s: torch.Tensor | None = None
-
-    def reset(self) -> None:
-        self._cache, self._s = None, None
-
-    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        dtype = self.lm_head.weight.dtype
-        e = self.heads.embed_tokens(next_tokens, self.embed).to(dtype)
-        aux = hidden[:, self.heads.spec.hidden_size:].to(dtype)
-        self._s, self._cache = self.eagle3.extend(aux, e, self._cache)
-
-    def root_state(self, ctx: DraftContext) -> torch.Tensor:
-        if self._s is None:
-            raise RuntimeError("eagle3 heads read the committed positions: feed them with observe() "
-                               "(SpeculativeGenerator does) before drafting")
-        path = self._s.new_zeros(1, (self.max_depth - 1) * math.prod(self._kv_shape))
-        return torch.cat([self._s, path], dim=-1)
-
-    def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
-        return self.eagle3.lm_head(self.eagle3.scoring_input(s))
-
-    def propose(self, k, tokens, states, num):
-        d = self.heads.spec.hidden_size
-        if k == 0:  # the root's step 0 ran in observe: its output is the state its children read
-            s, child = states[:, :d], states
-        else:
-            m = states.shape[0]
-            path = states[:, d:].view(m, self.max_depth - 1, *self._kv_shape)
-            e = self.heads.embed_tokens(tokens, self.embed).to(states.dtype)
-            s, key, value = self.eagle3.tree_step(e, states[:, :d], path[:, :k - 1, 0], path[:, :k - 1, 1],
-                                                  self._cache, self._cache[0].shape[1] + k)
-            path = path.clone()
-            path[:, k - 1, 0], path[:, k - 1, 1] = key, value
-            child = torch.cat([s, path.flatten(1)], dim=-1)
-        cand, logq = self.candidates(self.head_logits(k, s).float(), num)
-        return cand, logq, child
-
-
-class DFlashDrafter(HeadsDrafter):
-    """Draft with dflash heads (`medusa_train.dflash`): its layers keep the context's keys and values of every
-    committed position (`observe`); a step runs one forward over the block of the root and K mask tokens, which gives
-    every depth's distribution at once. Like parallel heads, a depth's candidates do not depend on the tokens chosen
-    above them, so static and dynamic trees take each level's top-k from that one forward."""
-
-    def __init__(self, heads: nn.Module, target: nn.Module, topk_accuracy: list[list[float]] | None = None):
-        super().__init__(heads, target, topk_accuracy)
-        self.dflash = self.heads.dflash
-        self.needs_history, self.chained = True, False
-        self.target_layers = tuple(heads.spec.aux_layers)
-        self._cache = None
-        mask = torch.tensor([heads.spec.mask_token_id], device=self.lm_head.weight.device)
-        self._mask_embed = self.heads.embed_tokens(mask, self.embed)[0].to(self.lm_head.weight.dtype)
-
-    def reset(self) -> None:
-        self._cache = None
-
-    def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        aux = hidden[:, self.heads.spec.hidden_size:].to(self.lm_head.weight.dtype)
-        self._cache = self.dflash.extend(aux, self._cache)
-
-    def head_logits(self, k: int, s: torch.Tensor) -> torch.Tensor:
-        return self.dflash.lm_head(s)
-
-    def root_state(self, ctx: DraftContext) -> None:
-        if self._cache is None:
-            raise RuntimeError("dflash heads read the committed positions: feed them with observe() "
-                               "(SpeculativeGenerator does) before drafting")
-        e = self.heads.embed_tokens(ctx.root, self.embed)[0].to(self._mask_embed.dtype)
-        self._parallel_logits = self.head_logits(0, self.dflash.draft(e, self._mask_embed, self._cache)).float()
-        return None
 
 
 def load_topk_accuracy(heads_dir: str | os.PathLike) -> list[list[float]] | None:

@@ -32,8 +32,8 @@ from inference.engine.support import (ContextLengthError, UnsupportedModelError,
 from inference.engine.tree import Tree
 from inference.engine.verify import (accept_greedy, accept_lossless, accept_typical, sample_token, target_forward,
                                      target_probs, verify_tree)
-from medusa_train.chat import render_prompt
-from medusa_train.target import eos_ids, final_logits
+from medusa_train.data.chat import render_prompt
+from medusa_train.target.model import eos_ids, final_logits
 
 Acceptance = Literal["exact", "typical"]
 
@@ -191,8 +191,8 @@ class SpeculativeGenerator:
         later ones run with no Python between the kernels."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from medusa_train.heads import load_spec
-        from medusa_train.target import (check_hub_reachable, default_device, merge_recorded_adapter,
+        from medusa_train.kinds.heads import load_spec
+        from medusa_train.target.model import (check_hub_reachable, default_device, merge_recorded_adapter,
                                          resolve_dtype)
 
         spec = load_spec(heads_dir)  # FileNotFoundError first if it is not a heads directory
@@ -252,7 +252,7 @@ class SpeculativeGenerator:
         return input_ids.to(self.device)
 
     def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> set[int]:
-        """The stop tokens: the argument, else those `model.generate` stops at (`medusa_train.target.eos_ids`)."""
+        """The stop tokens: the argument, else those `model.generate` stops at (`medusa_train.target.model.eos_ids`)."""
         if eos_token_id is None:
             return set(eos_ids(self.target, self.tokenizer))
         return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}

@@ -25,7 +25,7 @@ def new_static_cache(model: nn.Module, capacity: int) -> StaticCache:
     """A preallocated cache of `capacity` positions per layer (`inference.engine.compiled`): its tensors never move, so
     compiled forwards and CUDA graphs write into them in place. Allocated now, on the model's device and dtype,
     not at the first write."""
-    from medusa_train.target import text_config
+    from medusa_train.target.model import text_config
 
     config = text_config(model.config)
     cache = StaticCache(config=config, max_cache_len=capacity)

@@ -13,7 +13,7 @@ from torch import nn
 from inference.engine.kv import new_cache
 from inference.engine.tree import tree_from_parents
 from inference.engine.verify import target_forward, verify_tree
-from medusa_train.target import decoder, final_logits, text_config, unsupported_reason
+from medusa_train.target.model import decoder, final_logits, text_config, unsupported_reason
 
 
 class UnsupportedModelError(ValueError):

@@ -25,9 +25,9 @@ from torch import nn
 
 from inference.engine.kernels import tree_attention
 from inference.engine.kv import cache_length
-from medusa_train.target import cache_kwargs
+from medusa_train.target.model import cache_kwargs
 from inference.engine.tree import Tree, tree_attention_mask, tree_position_ids
-from medusa_train.target import decoder, final_logits, hidden_with_layers
+from medusa_train.target.model import decoder, final_logits, hidden_with_layers
 
 TYPICAL_THRESHOLD = 0.09  # Medusa's posterior_threshold (epsilon)
 TYPICAL_ALPHA = 0.3  # Medusa's posterior_alpha (delta)

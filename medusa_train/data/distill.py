@@ -1,0 +1,508 @@
+"""Self-distillation: the target's own replies to a pool of prompts, as chat JSONL for training heads.
+
+Heads learn best from text the target itself would write (the draft is accepted exactly when it guesses
+the target's next token), so the training set is the target's greedy (or sampled) reply to prompts like
+the ones users send. Each output row is
+
+    {"id": "...", "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": REPLY}],
+     "finish": "stop" | "length"}
+
+which `data.dataset` reads as chat (supervised on the reply only).
+
+    python -m medusa_train.data.distill recipes/smollm2-135m.yaml \\
+        target.model=$(python -m medusa_train.target.prepare) --prompts default \\
+        --out runs/distill/default.jsonl --max-new-tokens 256
+    accelerate launch -m medusa_train.data.distill RECIPE --prompts data/sharegpt.json --out runs/sg.jsonl \\
+        --exclude mt_bench_question.jsonl
+
+- Prompts: `self` (the target writes them: `medusa_train.data.self_prompts`; `--limit N` requests, filtered), `default`
+  (the project's own offline pool, `medusa_train.data.prompts`), or any json/jsonl/parquet
+  file, directory, glob or hub dataset whose rows hold a prompt/question/instruction, ShareGPT
+  conversations, messages or MT-Bench turns (the first user turn is the prompt).
+- `--exclude FILE` drops every prompt that appears in FILE (all its user turns), so benchmark prompts
+  never leak into training.
+- Batched with left padding; prompts are taken in `--order` (`shortest` packs similar lengths together).
+- Resumable: rows are appended and flushed after every batch; a rerun skips ids already written.
+- Distributed through Accelerate: each process takes every world_size-th prompt and appends to its own
+  `FILE.rankN` part; the main process merges the parts into FILE at the end (and on any later rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from .batch_decode import decode
+from .chat import render_prompt
+from ..config import ConfigError, load_config
+from ..target.model import pad_id, stop_ids
+from ..base.errors import ArgumentParser
+from .prompts import Prompt, exclude_prompts, load_prompts
+from . import self_prompts
+from .self_prompts import FollowUps
+
+Order = Literal["file", "shortest", "longest"]
+CHUNK = 4  # batches of prompts decoded together and written at once: slots refill within a chunk
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output file: append-only JSONL, resumable
+
+
+def _part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.rank{rank}")
+
+
+def _rows(path: Path):
+    """The complete rows of a JSONL file, in order; a line cut short by a crash (or any unreadable line) is
+    skipped, so its prompt is simply redone. Splits on newlines only: JSON keeps U+2028 and friends raw in
+    strings, and `str.splitlines` would cut a row there."""
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "id" in row:
+            yield row
+
+
+def _prompt_text(row: dict) -> str | None:
+    """The user turn a distilled row answers (None for a row of another shape)."""
+    messages = row.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        content = messages[0].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def _parts(out: Path) -> list[Path]:
+    """The per-rank part files of `out` a multi-process run left, in rank order."""
+    return sorted(out.parent.glob(f"{out.name}.rank*"))
+
+
+def read_done(out: Path) -> tuple[set[str], set[str]]:
+    """Ids and prompt texts already answered in `out` or any of its per-rank parts."""
+    ids: set[str] = set()
+    texts: set[str] = set()
+    for f in [out, *_parts(out)]:
+        for row in _rows(f):
+            ids.add(str(row["id"]))
+            text = _prompt_text(row)
+            if text is not None:
+                texts.add(text)
+    return ids, texts
+
+
+def merge_parts(out: Path) -> int:
+    """Append every complete row of `out`'s per-rank parts to `out` (skipping ids it has), delete the parts.
+    Returns the number of rows appended."""
+    have = _ids_in(out)
+    parts = _parts(out)
+    new = []
+    for part in parts:
+        for row in _rows(part):
+            if str(row["id"]) not in have:
+                have.add(str(row["id"]))
+                new.append(row)
+    _append_rows(out, new)
+    for part in parts:
+        part.unlink()
+    return len(new)
+
+
+def _append_rows(path: Path, rows: list[dict]) -> None:
+    """Append rows as JSON lines, flushed and fsynced: once this returns, a crash loses none of them."""
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _ids_in(path: Path) -> set[str]:
+    return {str(row["id"]) for row in _rows(path)}
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a last line that a crash left without its newline, so appended rows start on a fresh line."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation
+
+
+def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt as a single user turn through the chat template, with the assistant header appended."""
+    return [render_prompt(tokenizer, p.text) for p in prompts]
+
+
+def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0, batch_size: int | None = None,
+                     seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
+    """The target's reply to each prompt, `batch_size` in flight at once (`batch_decode.decode`: continuous
+    batching; default all). Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the
+    first end-of-turn token (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the
+    engine verifies against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
+    if temperature > 0 and seeds is None:
+        seeds = list(range(len(prompt_ids)))
+    out: list[tuple[str, str, int]] = [("", "", 0)] * len(prompt_ids)
+    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max_new_tokens, stops=stop_ids(model, tokenizer),
+                                     pad_id=pad_id(tokenizer),
+                                     batch_size=batch_size or len(prompt_ids), temperature=temperature,
+                                     top_p=top_p, seeds=seeds):
+        out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens))
+    return out
+
+
+def _order(prompts: list[Prompt], lengths: list[int], order: Order) -> list[int]:
+    idx = list(range(len(prompts)))
+    if order == "shortest":
+        idx.sort(key=lambda i: lengths[i])
+    elif order == "longest":
+        idx.sort(key=lambda i: -lengths[i])
+    return idx
+
+
+def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int = 256,
+            temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, limit: int = 0,
+            order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
+            world_size: int = 1, progress: bool = True, row_extra: dict[str, Any] | None = None,
+            turns: int = 1, follow_ups: FollowUps | None = None) -> dict[str, int]:
+    """Write the target's replies to `prompts` into `out` (JSONL), skipping ids already there.
+
+    Prompts longer than `max_prompt_tokens` are skipped; `order` then `limit` pick which prompts form the
+    job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
+    prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
+    Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`.
+    `row_extra` is recorded in every row written (self-written prompts say so). With `turns > 1` the target
+    writes the user's next turn itself (`follow_ups`: how it samples and filters them) after every reply that
+    ended within `max_new_tokens`, and replies again, up to `turns` user turns a row; a conversation whose
+    follow-up a filter drops ends there. The count of rows by their number of user turns is in `turns_written`.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if turns > 1 and follow_ups is None:
+        follow_ups = FollowUps()
+    settings = generation_settings(max_new_tokens, temperature, top_p, turns, follow_ups)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    ids = render_prompts(tokenizer, prompts)
+    fits = [i for i in range(len(prompts)) if len(ids[i]) <= max_prompt_tokens]
+    too_long = len(prompts) - len(fits)
+    kept = [prompts[i] for i in fits]
+    kept_ids = [ids[i] for i in fits]
+    job = _order(kept, [len(x) for x in kept_ids], order)
+    if limit > 0:
+        job = job[:limit]
+    done, done_texts = read_done(out)
+
+    def finished(i: int) -> bool:  # by id, or by text: the same prompt under another pool's id is not redone
+        return kept[i].id in done or kept[i].text in done_texts
+
+    # shard the job before dropping finished prompts, so every process sees the same split whenever it reads
+    todo = [i for i in job[rank::world_size] if not finished(i)]
+    target = out if world_size == 1 else _part_path(out, rank)
+    _repair_tail(target)
+    written = 0
+    by_turns: dict[int, int] = {}
+    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
+               dynamic_ncols=True)
+    chunk = batch_size * CHUNK
+    for b in range(0, len(todo), chunk):
+        batch = todo[b:b + chunk]
+        seeds = [seed + hash_id(kept[i].id) for i in batch]  # a prompt's sample is the same wherever a run resumes
+        replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
+                                   temperature, top_p, batch_size, seeds)
+        convs = [[{"role": "user", "content": kept[i].text}, {"role": "assistant", "content": text}]
+                 for i, (text, _, _) in zip(batch, replies)]
+        ends = [finish for _, finish, _ in replies]
+        for t in range(1, turns):  # the target writes the user's next turn, then answers it
+            live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
+            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
+                                    batch_size)
+            go = [(k, q) for k, q in zip(live, asks) if q is not None]
+            if not go:
+                break
+            more = generate_replies(model, tokenizer, [render_prompt(tokenizer, convs[k] + [
+                {"role": "user", "content": q}]) for k, q in go], max_new_tokens, temperature, top_p, batch_size,
+                [seeds[k] + t for k, _ in go])
+            for (k, q), (text, finish, _) in zip(go, more):
+                convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
+                ends[k] = finish
+        rows = [{"id": kept[i].id, "messages": conv, "finish": finish, "generation": settings, **(row_extra or {})}
+                for i, conv, finish in zip(batch, convs, ends)]
+        for conv in convs:
+            by_turns[len(conv) // 2] = by_turns.get(len(conv) // 2, 0) + 1
+        _append_rows(target, rows)  # a crash loses at most the chunk in flight
+        written += len(rows)
+        bar.update(len(batch))
+        bar.set_postfix(rows=len(done) + written * world_size)
+    bar.close()
+    return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
+            "too_long": too_long, "turns_written": dict(sorted(by_turns.items()))}
+
+
+def generation_settings(max_new_tokens: int, temperature: float, top_p: float, turns: int = 1,
+                        follow_ups: FollowUps | None = None) -> dict[str, Any]:
+    """What each row records of how its reply was made: a rerun with other settings must not mix its rows in."""
+    out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    if turns > 1:  # single-turn rows keep the keys they always had
+        out |= {"turns": turns, "follow_ups": (follow_ups or FollowUps()).settings()}
+    return out
+
+
+def check_same_settings(out: Path, settings: dict[str, Any]) -> None:
+    """ConfigError (before any model loads) when `out` or its parts hold rows made with other settings: one file
+    of replies cut at 64 and 256 tokens, or greedy and sampled, would train heads on a mix nobody asked for. Rows
+    of files written before rows recorded their settings are taken as they are."""
+    flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+             "turns": "--turns", "follow_ups": "the follow-ups' --self-* settings"}
+    for f in [out, *_parts(out)]:
+        for row in _rows(f):
+            had = row.get("generation")
+            if not isinstance(had, dict):
+                continue
+            had = {"turns": 1, "follow_ups": None} | had  # one turn: rows record no follow-up keys
+            mine = {"turns": 1, "follow_ups": None} | settings
+            if any(had.get(k) != mine.get(k) for k in flags):
+                diff = ", ".join(f"{flags[k]} {had.get(k)} (this run: {mine.get(k)})" for k in flags
+                                 if had.get(k) != mine.get(k))
+                raise ConfigError(f"--out {out} holds rows made with {diff}: rerun with the same settings to "
+                                  "continue it, or write to another --out")
+
+
+def hash_id(text: str) -> int:
+    """A stable (process-independent) small hash of an id, for seeding."""
+    h = 0
+    for ch in text:
+        h = (h * 131 + ord(ch)) % 1_000_003
+    return h
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="python -m medusa_train.data.distill",
+                                description="Write the target's own replies to a prompt pool as chat JSONL.")
+    p.add_argument("recipe", help="recipe YAML; only its target section is used")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.model=/path/to/model")
+    p.add_argument("--prompts", required=True, help="`self` (the target writes them; with --limit N), `default` "
+                                                    "(offline pool) or a json/jsonl/parquet file, directory, glob "
+                                                    "or hub dataset with prompts")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; a rerun skips finished ids)")
+    p.add_argument("--exclude", action="append", default=[], help="drop prompts found in this file "
+                                                                   "(repeatable), e.g. the benchmark's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="prompts in flight at once, per process (continuous batching: one that ends frees its slot; "
+                        "docs/history.md gives rows a minute by batch size)")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (after --order); 0: all")
+    p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", type=int, default=1,
+                   help="user turns a conversation: after the first, the target writes the user's next request "
+                        "itself (sampled with the --self-* settings, filtered like self-written requests) and "
+                        "replies again")
+    own = p.add_argument_group("--prompts self and --turns: the target writes requests "
+                               "(medusa_train.data.self_prompts)")
+    own.add_argument("--self-temperature", type=float, default=1.0, help="sampling temperature of the requests")
+    own.add_argument("--self-top-p", type=float, default=0.95)
+    own.add_argument("--self-max-tokens", type=int, default=96, help="a request not closed by then is dropped")
+    own.add_argument("--latin-only", action="store_true", help="drop requests mostly outside the Latin alphabet")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (0: all), got {args.limit}")
+    for f in args.exclude:
+        if not Path(f).exists():
+            raise ConfigError(f"--exclude: file not found: {f}")
+    if args.turns < 1:
+        raise ConfigError(f"--turns must be >= 1 (got {args.turns})")
+    if args.prompts == "self" or args.turns > 1:
+        if args.self_temperature <= 0 or not 0 < args.self_top_p <= 1 or args.self_max_tokens < 1:
+            raise ConfigError("--self-temperature must be > 0, --self-top-p in (0, 1], --self-max-tokens >= 1")
+    if args.prompts == "self":
+        if args.limit < 1:
+            raise ConfigError("--prompts self needs --limit N: how many requests the target samples (then filtered)")
+        return
+    if args.prompts != "default" and not Path(args.prompts).exists() and (
+            args.prompts.endswith((".json", ".jsonl", ".parquet")) or os.sep in args.prompts):
+        raise ConfigError(f"--prompts: file not found: {args.prompts} (or use --prompts default)")
+
+
+def requests_file(out: Path) -> Path:
+    return out.with_name(out.name + ".requests")
+
+
+def request_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What fixes the self-written requests: a cache drawn with other settings must not be mixed in."""
+    return {"seed": args.seed, "temperature": args.self_temperature, "top_p": args.self_top_p,
+            "max_tokens": args.self_max_tokens, "sampler": "per-request"}
+
+
+def read_requests(cache: Path, settings: dict[str, Any]) -> dict[int, tuple[str, bool]]:
+    """The requests drawn before, by index; ConfigError (before any model loads) if drawn with other settings."""
+    have: dict[int, tuple[str, bool]] = {}
+    for row in _rows(cache):
+        if row.get("settings") != settings:
+            raise ConfigError(f"{cache} holds requests drawn with {row.get('settings')} (this run: {settings}): "
+                              "rerun with the same --seed and --self-* settings, or write to another --out")
+        have[int(row["id"])] = (row["text"], bool(row["finished"]))
+    return have
+
+
+def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, main_process: bool = True
+                 ) -> list[Prompt]:
+    """`--limit` requests sampled by the target from its user-turn prefix, filtered, `--exclude` files' prompts
+    removed; ids `self-SEED-I` (I: the sample's index). Samples are kept in `OUT.requests` (the main process appends
+    them), so a rerun draws only those it lacks; the seed fixes every sample, so a process that draws one again
+    draws the same."""
+    cache, settings = requests_file(out), request_settings(args)
+    have = read_requests(cache, settings)
+    missing = [i for i in range(args.limit) if i not in have]
+    if missing:
+        from tqdm.auto import tqdm
+
+        if main_process:
+            _repair_tail(cache)
+        bar = tqdm(total=args.limit, initial=args.limit - len(missing), desc="requests", unit="request",
+                   disable=not main_process, dynamic_ncols=True)
+        ended: list[dict[str, Any]] = []
+
+        def keep(i: int, text: str, finished: bool) -> None:  # on disk as they come: a stop loses a few
+            ended.append({"id": i, "text": text, "finished": finished, "settings": settings})
+            if len(ended) >= args.batch_size or len(ended) + len(have) == args.limit:
+                if main_process:
+                    _append_rows(cache, ended)
+                have.update({r["id"]: (r["text"], r["finished"]) for r in ended})
+                bar.update(len(ended))
+                ended.clear()
+
+        have.update(self_prompts.sample_user_turns(model, tokenizer, missing, temperature=args.self_temperature,
+                                      top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
+                                      batch_size=args.batch_size, seed=args.seed, on_sample=keep))
+        bar.close()
+    samples = [have[i] for i in range(args.limit)]
+    verdict = self_prompts.filter_prompts(samples, latin_only=args.latin_only)
+    prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
+    kept = len(prompts)
+    if args.exclude:
+        prompts = exclude_prompts(prompts, args.exclude)
+    verdict.dropped["excluded"] = kept - len(prompts)
+    dropped = ", ".join(f"{n} {reason}" for reason, n in verdict.dropped.items() if n)
+    say(f"[distill] the target wrote {len(samples)} requests ({args.limit - len(missing)} read back from "
+        f"{cache.name}); {len(prompts)} kept ({dropped or 'none dropped'})")
+    return prompts
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; exit code 2 on bad input, before any model is loaded; 75 when Ctrl-C or SIGTERM stopped it
+    (what was written stays: rerun to continue)."""
+    args = build_parser().parse_args(argv)
+    try:
+        _check_args(args)
+        # Only the target matters here; the recipe's data.dataset is usually the file we are about to write.
+        cfg = load_config(args.recipe, list(args.overrides) + ["data.dataset=distill-prompts"])
+        follow_ups = FollowUps(args.self_temperature, args.self_top_p, args.self_max_tokens,
+                               latin_only=args.latin_only)
+        check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p,
+                                                                args.turns, follow_ups))
+        own = args.prompts == "self"
+        if own or args.turns > 1:  # the template's user turn is checked now, before the model loads
+            from ..target.model import load_tokenizer
+
+            self_prompts.user_turn_prefix(load_tokenizer(cfg.target))
+        if own:
+            read_requests(requests_file(Path(args.out)), request_settings(args))
+            prompts = []
+        else:
+            prompts = load_prompts(args.prompts)
+        n_pool = len(prompts)
+        if args.exclude and not own:
+            prompts = exclude_prompts(prompts, args.exclude)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from accelerate import Accelerator
+
+    from ..target.model import load_target
+
+    accelerator = Accelerator()
+    say = accelerator.print
+    pool = (f"{args.limit} requests the target writes itself" if own
+            else f"{len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded)")
+    say(f"[distill] {pool}; target {cfg.target.model}; {accelerator.num_processes} process(es)")
+    out = Path(args.out)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop, like Ctrl-C
+    try:
+        model, tokenizer = load_target(cfg.target, device=accelerator.device)
+        if own:
+            prompts = self_written(model, tokenizer, args, say, out, accelerator.is_main_process)
+        if accelerator.is_main_process and _parts(out):
+            merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
+        accelerator.wait_for_everyone()
+        before = len(_ids_in(out))
+        counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+                         limit=0 if own else args.limit,
+                         order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                         rank=accelerator.process_index, world_size=accelerator.num_processes,
+                         progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None,
+                         turns=args.turns, follow_ups=follow_ups)
+    except KeyboardInterrupt:  # every finished batch is on disk (fsynced): say so, no traceback
+        if accelerator.is_main_process:
+            print(f"\n[distill] stopped: {out} and its parts hold {len(read_done(out)[0])} rows; rerun the same "
+                  "command to continue", file=sys.stderr, flush=True)
+        return 75
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if accelerator.num_processes > 1:
+            merge_parts(out)
+        total = len(_ids_in(out))
+        say(f"[distill] wrote {total - before} rows ({counts['done_before']} of the job were done before; "
+            f"{counts['too_long']} prompts over {args.max_prompt_tokens} tokens skipped); {out} holds {total} rows")
+        if args.turns > 1:
+            dropped = ", ".join(f"{n} {why}" for why, n in follow_ups.dropped.items()) or "none"
+            say(f"[distill] rows written by user turns: {counts['turns_written']}; follow-ups dropped: {dropped} "
+                "(this process)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

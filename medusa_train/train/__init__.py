@@ -1,0 +1,1 @@
+"""The training run: setup, the loop, losses, evaluation, checkpoints, the real tau, the best heads, processes."""

@@ -1,0 +1,244 @@
+"""A training run, built from a recipe: `setup` makes the Accelerator, the data, the target, the heads, the
+objective, the optimizer and its schedule, then resumes from the newest checkpoint when the recipe says so. The
+`Run` it returns is everything the loop (`trainer.py`) reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from .best import Best, drop_stale_best, keep_best_metric, restore_best
+from .checkpoints import METRICS_NAME, check_resumable, remove_stale_files, resume, resume_checkpoint
+from ..config import Config, ConfigError
+from ..data.rows import build_datasets, collate, select_draft_vocab, token_counts
+from ..kinds.heads import DraftHeads, kind_class
+from .joint import JointObjective, add_lora
+from .losses import HeadsObjective
+from .metrics import setup_tracking
+from .optim import build_optimizer
+from .preflight import check_before_loading
+from .processes import check_joint_distributed, say_processes, set_aside_fsdp_on_cpus, setup_accelerator, unwrapped
+from ..target.sharding import describe as describe_sharding
+from ..target.sharding import check_shardable, shard_target, take_over_sharding
+from ..target.model import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
+from ..target.states import TargetStates
+from .tau import tau_prompt_ids
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, built once by `setup`. `position` is where training stands (the part of a
+    checkpoint that is not Accelerate's state)."""
+
+    cfg: Config
+    accelerator: Any
+    target: torch.nn.Module
+    states: TargetStates  # (h, greedy) per batch: the frozen target's forward, or its cache
+    heads: DraftHeads  # unwrapped, for eval and saving
+    objective: torch.nn.Module  # heads + loss, as prepared by Accelerate (DDP/FSDP-wrapped)
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    eval_dl: Any | None
+    total_steps: int
+    peft: Any = None  # target.lora: the PeftModel around the target (whose base model `target` is)
+    best: Best = field(default_factory=lambda: Best("last"))  # the best heads so far (train.keep_best)
+    tau_prompts: list[list[int]] = field(default_factory=list)  # the real-tau prompts (main process; eval.tau_every)
+    position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
+                                                              "tokens": 0})
+
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.target.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.target.get_output_embeddings()
+
+
+def setup(cfg: Config) -> Run:
+    """Accelerator, data (its errors surface before the model loads), target, heads, optimizer, schedule, then
+    the newest checkpoint if `cfg.resume` says so."""
+    from accelerate.utils import set_seed
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        remove_stale_files(cfg.output_dir)
+    ckpt = resume_checkpoint(cfg)
+    allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
+    check_before_loading(cfg)
+    sharded = take_over_sharding()  # the target sharded by us, the heads under DDP (medusa_train/target/sharding.py)
+    if sharded:
+        check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")), sharded)
+    fsdp_set_aside = set_aside_fsdp_on_cpus()
+    accelerator = setup_accelerator(cfg)
+    say_processes(accelerator, fsdp_set_aside)
+    for change in allowed:
+        accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
+    set_seed(cfg.train.seed)
+
+    tokenizer = load_tokenizer(cfg.target)
+    with accelerator.main_process_first():  # the datasets cache is written once, then reused
+        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
+    if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
+                      f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
+    dropped = info["dropped"] + info["eval_dropped"]
+    if dropped:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(info["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        accelerator.print(f"data: {dropped} rows dropped ({reasons})")
+    if accelerator.is_main_process and ckpt is None:  # what training saw, in the run's own record (once a run)
+        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
+                                "data/tokens": info["tokens"], "data/dropped": dropped,
+                                "data/drop_reasons": info["drop_reasons"]}) + "\n")
+    tau_prompts = []  # the real tau's prompts, read before the model loads (the main process generates)
+    if cfg.eval.tau_every and accelerator.is_main_process:
+        tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
+        if not tau_prompts:
+            where = cfg.eval.tau_prompts or "the held-out split"
+            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
+                              "prompts file")
+    # a sharded target loads on the CPU (each process then keeps its shards on the device)
+    target = load_model(cfg.target, "cpu" if sharded else accelerator.device,
+                        resolve_dtype(cfg.target.dtype, accelerator.device))
+    peft = None
+    if cfg.target.lora.r:
+        check_joint_distributed(accelerator)
+        peft = add_lora(target, cfg.target.lora)
+        target = peft.get_base_model()  # the same model, with the adapters in its layers
+    forward_target = setup_forward_target(cfg, target, accelerator.device)
+    heads = setup_heads(cfg, target, train_ds, tokenizer)
+    if sharded:
+        sizes = shard_target(target, accelerator.device, sharded)
+        heads.to(accelerator.device)
+        accelerator.print(describe_sharding(sizes, sharded))
+        if accelerator.is_main_process and ckpt is None:  # the main process's share, in the run's own record
+            with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+                f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}) + "\n")
+    n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    n_target = sum(getattr(p, "ds_numel", p.numel()) for p in target.parameters())  # ZeRO-3: whole sizes
+    n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
+        f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
+        if peft is not None else f"target frozen ({n_target:,} params)"))
+    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
+                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
+                          layers=heads.target_layers,
+                          lockstep=sharded is not None and accelerator.num_processes > 1)
+    if states.rows:
+        accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
+
+    objective = make_objective(cfg, heads, target, peft)
+    train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
+    # prepare() shards batches across processes (padded to equal length): batches per process per epoch
+    steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    optimizer, scheduler = build_optimizer(cfg, heads, objective.adapters if peft is not None else None, total_steps)
+    objective, optimizer, train_dl, scheduler = accelerator.prepare(objective, optimizer, train_dl, scheduler)
+    if eval_dl is not None:
+        eval_dl = accelerator.prepare(eval_dl)
+    setup_tracking(accelerator, cfg)
+    run = Run(cfg, accelerator, target, states, unwrapped(objective).heads, objective, optimizer,
+              scheduler, train_dl, eval_dl, total_steps, peft=peft)
+    resume(run, ckpt)
+    setup_best(run, eval_ds is not None, resumed=ckpt is not None)
+    run.tau_prompts = tau_prompts
+    return run
+
+
+def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None) -> torch.nn.Module:
+    """What a training step runs: the heads and their loss (`HeadsObjective`), or with `peft` the adapted target too
+    (`JointObjective`)."""
+    if peft is not None:
+        return JointObjective(heads, peft, cfg.loss)
+    return HeadsObjective(heads, cfg.loss, logit_transform(target.config))
+
+
+def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
+    """The measure the run keeps its best heads by, and (resumed) the best up to the checkpoint."""
+    cfg, accelerator = run.cfg, run.accelerator
+    run.best = restore_best(cfg, keep_best_metric(cfg, has_eval_split), run.position["step"] if resumed else None)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        drop_stale_best(cfg, run.best)
+    if run.best.step >= 0:
+        accelerator.print(f"resume: best heads so far from step {run.best.step} ({run.best.metric} "
+                          f"{run.best.value:.3f})")
+
+
+def setup_heads(cfg: Config, target: torch.nn.Module, train_ds, tokenizer) -> DraftHeads:
+    """Fresh heads for `target` per `cfg.heads` (a draft vocabulary drawn from `train_ds`; the kind's options resolved
+    for this target and `tokenizer`), or warm-started ones."""
+    h = cfg.heads
+    if h.init_from:
+        return _warm_start_heads(cfg, target, tokenizer)
+    draft_ids = None
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if n := h.draft_vocab(vocab):
+        always = [i for i in (target.config.eos_token_id, getattr(target.config, "bos_token_id", None))
+                  if isinstance(i, int)]
+        draft_ids = select_draft_vocab(token_counts(train_ds, vocab), n, always)
+    options = dataclasses.asdict(kind_class(h.kind).options_from(h))
+    heads = DraftHeads.for_target(target, h.kind, h.num_heads, draft_ids=draft_ids, target_name=cfg.target.model,
+                                  tokenizer=tokenizer, **options)
+    return heads.to(target.device)
+
+
+def _warm_start_heads(cfg: Config, target: torch.nn.Module, tokenizer) -> DraftHeads:
+    """heads.init_from: trained heads, checked against this target and against the recipe's heads.* keys: those it
+    sets must be the heads' own (resolved as fresh heads' would be), except the kind's training options, which the
+    recipe gives."""
+    h = cfg.heads
+    try:
+        heads = DraftHeads.from_pretrained(h.init_from, target)
+    except ValueError as e:  # HeadsMismatchError (another target) or not a heads directory
+        raise ConfigError(f"heads.init_from={h.init_from}: {e}") from None
+    spec, kind = heads.spec, type(heads)
+    differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
+              for key in ("kind", "num_heads") if getattr(h, key) != getattr(spec, key)]
+    if h.draft_vocab(spec.vocab_size) != spec.draft_vocab_size:
+        differ.append(f"heads.draft_vocab_size={h.draft_vocab_size!r} ({h.draft_vocab(spec.vocab_size)} tokens for "
+                      f"this target) but those heads have {spec.draft_vocab_size}")
+    if h.kind == spec.kind:
+        wanted = kind.resolve(kind.options_from(h), target.config, target.get_input_embeddings().weight, tokenizer)
+        for f in dataclasses.fields(kind.Options):
+            said, have = getattr(h, f.name), getattr(spec.options, f.name)
+            if f.name in kind.training_options:
+                setattr(spec.options, f.name, getattr(wanted, f.name))
+            elif said not in (None, "auto", []) and getattr(wanted, f.name) != have:
+                differ.append(f"heads.{f.name}={said!r} but those heads have {have!r}")
+    if differ:
+        raise ConfigError(f"heads.init_from={h.init_from} does not match the recipe: " + "; ".join(differ)
+                          + ". Set those keys to the heads' values (their config.json), or drop heads.init_from")
+    return heads.to(target.device)
+
+
+def setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.nn.Module:
+    """The model whose forward gives h in training: the target itself, or (target.forward_dtype) a second
+    frozen copy in another dtype."""
+    if cfg.target.forward_dtype == "same":
+        return target
+    dtype = getattr(torch, cfg.target.forward_dtype)
+    if dtype == target.dtype:
+        return target
+    return load_model(cfg.target, device, dtype)
+
+
+def setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
+    per_process = cfg.train.batch_size // accelerator.num_processes
+    fn = partial(collate, pad_token_id=pad_token_id)
+    train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
+    eval_dl = DataLoader(eval_ds, batch_size=per_process, shuffle=False, collate_fn=fn) if eval_ds else None
+    return train_dl, eval_dl
