@@ -2,7 +2,7 @@
 
 import sys
 
-from medusa_train.cli import main
+from medusa_train.train.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())
