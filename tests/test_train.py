@@ -881,3 +881,40 @@ def test_a_data_error_is_the_first_thing_printed(ws, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2 and "resolved config" not in captured.out, captured.out
     assert len(captured.err.strip().splitlines()) == 1 and "empty" in captured.err
+
+
+def test_a_trainable_lm_heads_gradient_is_kept_once_not_once_a_chunk():
+    """Heads with LM heads of their own: what a step keeps for backward does not grow with the number of loss chunks
+    (each chunk's [V, d] weight gradient is summed into one buffer a head, handed over once), and the gradients are
+    those of one chunk."""
+    from tiny import tiny_model
+
+    from medusa_train.config import LossConfig
+    from medusa_train.target.states import TargetStates
+    from medusa_train.train.losses import HeadsObjective
+
+    torch.manual_seed(0)
+    target = tiny_model("llama")
+    heads = DraftHeads.for_target(target, "chained", 3, own_lm_head=True)
+    ids = torch.randint(0, 260, (2, 24))
+    mask, labels = torch.ones_like(ids), ids.clone()
+    h, greedy = TargetStates(target, target.get_output_embeddings())({"input_ids": ids, "attention_mask": mask})
+
+    def step(chunk: int) -> tuple[int, list[torch.Tensor]]:
+        saved = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = HeadsObjective(heads, LossConfig(chunk_size=chunk, ce_weight=0.5))(
+                h, greedy, ids, labels, mask, target.get_input_embeddings(), target.get_output_embeddings())
+        return sum(saved), torch.autograd.grad(loss * 0.5, [lm.weight for lm in heads.lm_heads])
+
+    one_bytes, one_grads = step(1000)  # one chunk
+    many_bytes, many_grads = step(2)  # a chunk a position
+    vd = 260 * 32 * 4  # one head's [V, d] in float32
+    assert many_bytes - one_bytes < vd  # was (chunks - 1) x 3 heads x vd more
+    for g, r in zip(many_grads, one_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-7)
