@@ -1,0 +1,235 @@
+"""The GPU check: what a GPU must show before anyone trains or serves on one, in one command of under 10 minutes, with
+no download and no registry (random-weight targets; imports: torch, transformers, accelerate and this project only).
+
+    python scripts/gpu_check.py --out runs/gpu-check                # on a GPU machine (bash scripts/gpu_check.sh)
+    python scripts/gpu_check.py --device cpu --quick --out /tmp/gc   # the same code paths on tiny shapes, any machine
+
+Three parts, one table each, all in OUT/gpu-check.json:
+
+1. **exact**: the engine's greedy output against `generate` on the device, for heads of every registered kind, static
+   and dynamic trees: float64 on a tiny Llama (must match token for token: the engine's contract) and float32 and
+   bfloat16 on a small random target (reported: exact wherever the kernels are batch-invariant; TF32 is off).
+2. **train**: one training step of each kind's heads on a target of Llama-3.1-8B's shape (random weights, bfloat16,
+   `--rows` x `--length` tokens, the recipe's draft vocabulary): the target's forward, the heads' forward, loss and
+   backward, an AdamW step; peak device memory and milliseconds a step (the median of `--steps` after a warm-up). An
+   out-of-memory step is reported as such, and the next kind runs.
+3. **oracle**: `python -m inference.oracle` on the 8B shape, eager and compiled (`--compile`: static cache, CUDA
+   graphs), every drafted token right: what the engine costs around the verify, against plain and compiled `generate`.
+   Skipped on a CPU (`--quick` runs it on the small shape, eagerly).
+
+Exit 0 when every float64 generation was exact (the other parts are measurements), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from inference.oracle import random_target  # noqa: E402
+from medusa_train.kinds import KINDS, DraftHeads  # noqa: E402
+
+
+def perturbed(heads: DraftHeads, scale: float, seed: int = 0) -> DraftHeads:
+    """Heads moved off their start, so that they draft varied tokens (some right, most wrong)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+    return heads
+
+
+def tiny_target(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         pad_token_id=259, bos_token_id=256, eos_token_id=258)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def exact(device: str, quick: bool, log) -> list[dict]:
+    """Greedy output of the engine against `generate`, per dtype, kind and tree."""
+    from inference import HeadsDrafter, SpeculativeGenerator
+
+    rows = []
+    cases = [("tiny llama", torch.float64, lambda: tiny_target(device, torch.float64))]
+    for dtype in (torch.float32, torch.bfloat16):
+        cases.append(("small" if not quick else "tiny llama", dtype,
+                      (lambda dt=dtype: random_target("small", torch.device(device), dt)) if not quick
+                      else (lambda dt=dtype: tiny_target(device, dt))))
+    for name, dtype, build in cases:
+        target = build()
+        vocab = target.get_output_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, vocab - 4, (1, 24), generator=g).to(device) for _ in range(2 if quick else 4)]
+        new = 24 if quick else 48
+        with torch.no_grad():
+            want = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, do_sample=False,
+                                    pad_token_id=0)[0, p.shape[1]:].tolist() for p in prompts]
+        for kind in KINDS:
+            heads = perturbed(DraftHeads.for_target(target, kind, 3), 0.05 if kind in ("eagle3", "dflash") else 0.2)
+            for tree in ("static", "dynamic"):
+                gen = SpeculativeGenerator(target, None, HeadsDrafter(heads, target))
+                same, tau = 0, []
+                for p, w in zip(prompts, want):
+                    out = gen.generate(p, max_new_tokens=new, tree=tree, tree_budget=8)
+                    same += out.token_ids.tolist() == w
+                    tau.append(out.stats.tau)
+                row = {"target": name, "dtype": str(dtype).removeprefix("torch."), "kind": kind, "tree": tree,
+                       "exact": f"{same}/{len(prompts)}", "all_exact": same == len(prompts),
+                       "tau": round(statistics.mean(tau), 2)}
+                rows.append(row)
+                log(f"[exact] {row}")
+        del target
+    return rows
+
+
+def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps: int, log) -> dict:
+    """Peak memory and time of a training step of `kind`'s heads on a random `shape`-shaped bfloat16 target."""
+    from medusa_train.config import LossConfig
+    from medusa_train.target.model import logit_transform
+    from medusa_train.target.states import TargetStates
+    from medusa_train.train.losses import HeadsObjective
+
+    cuda = device.startswith("cuda")
+    target = random_target(shape, torch.device(device), torch.bfloat16, max_positions=max(4096, length + 8))
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft = vocab // 4 if vocab // 4 >= 2048 else 0
+    heads = DraftHeads.for_target(target, kind, 4 if kind != "dflash" else 7,
+                                  draft_ids=torch.arange(draft, device=device) if draft else None).to(device)
+    heads.float()  # the heads train in float32 beside a bfloat16 target, as the recipes' mixed precision does
+    objective = HeadsObjective(heads, LossConfig(), logit_transform(target.config))
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-4)
+    states = TargetStates(target, target.get_output_embeddings(), layers=heads.target_layers)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, length), generator=g).to(device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    times = []
+    result = {"kind": kind, "shape": shape, "tokens": f"{rows} x {length}",
+              "params": sum(p.numel() for p in heads.parameters() if p.requires_grad)}
+    try:
+        for i in range(steps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+                if i == 1:
+                    torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            with torch.no_grad():
+                h, greedy = states(batch)
+            with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16):
+                loss, _ = objective(h, greedy, ids, batch["labels"], batch["attention_mask"],
+                                    target.get_input_embeddings(), target.get_output_embeddings())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t)
+        result["ms_per_step"] = round(1e3 * statistics.median(times), 1)
+        if cuda:
+            result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    except torch.OutOfMemoryError:
+        result["error"] = "out of memory"
+    log(f"[train] {result}")
+    del target, heads, objective, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def oracle(device: str, quick: bool, out: Path, log) -> list[dict]:
+    """The oracle benchmark, eager and compiled, through its own command line (a subprocess each: a clean device)."""
+    runs = []
+    shape, budgets, limit, new = ("small", "1,4", 1, 32) if quick else ("llama-8b", "1,4,16", 2, 64)
+    for compiled in ((False,) if quick else (False, True)):
+        path = out / f"oracle-{shape}-{'compiled' if compiled else 'eager'}.json"
+        cmd = [sys.executable, "-m", "inference.oracle", "--shape", shape, "--device", device, "--budgets", budgets,
+               "--limit", str(limit), "--max-new-tokens", str(new), "--out", str(path)]
+        cmd += ["--dtype", "bfloat16"] if device.startswith("cuda") else ["--dtype", "float32"]
+        cmd += ["--compile"] if compiled else []
+        t = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        row = {"shape": shape, "compiled": compiled, "seconds": round(time.perf_counter() - t, 1),
+               "rc": done.returncode}
+        if done.returncode == 0:
+            row |= json.loads(path.read_text())
+        else:
+            row["error"] = (done.stderr.strip().splitlines() or ["?"])[-1][:300]
+        log(f"[oracle] {shape} {'compiled' if compiled else 'eager'}: rc {done.returncode}, {row['seconds']} s")
+        runs.append(row)
+    return runs
+
+
+def table(rows: list[dict], keys: list[str]) -> str:
+    widths = [max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in keys]
+    lines = ["  ".join(k.ljust(w) for k, w in zip(keys, widths))]
+    lines += ["  ".join(str(r.get(k, "")).ljust(w) for k, w in zip(keys, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny shapes throughout (a CPU run of the same code paths)")
+    p.add_argument("--rows", type=int, default=2, help="training rows a step (part 2)")
+    p.add_argument("--length", type=int, default=2048, help="tokens a training row (part 2)")
+    p.add_argument("--steps", type=int, default=3, help="timed training steps a kind, after one warm-up")
+    p.add_argument("--parts", default="exact,train,oracle")
+    p.add_argument("--out", default="runs/gpu-check")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            print("error: no CUDA device: run with --device cpu --quick to check the code paths", file=sys.stderr)
+            return 2
+        torch.backends.cuda.matmul.allow_tf32 = False  # exactness in float32 needs true float32 matmuls
+        torch.backends.cudnn.allow_tf32 = False
+    parts = set(args.parts.split(","))
+    report: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                    "torch": torch.__version__, "quick": args.quick}
+    try:
+        import transformers
+
+        report["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    t0 = time.perf_counter()
+    if "exact" in parts:
+        report["exact"] = exact(args.device, args.quick, log)
+        print("\n1. greedy output of the engine against generate\n" + table(
+            report["exact"], ["target", "dtype", "kind", "tree", "exact", "tau"]))
+    if "train" in parts:
+        shape = "small" if args.quick else "llama-8b"
+        rows, length = (2, 64) if args.quick else (args.rows, args.length)
+        report["train"] = [train_step(args.device, shape, kind, rows, length, args.steps, log) for kind in KINDS]
+        print("\n2. one training step a kind (random target, bfloat16)\n" + table(
+            report["train"], ["kind", "shape", "tokens", "params", "ms_per_step", "peak_gib", "error"]))
+    if "oracle" in parts and (args.device.startswith("cuda") or args.quick):
+        report["oracle"] = oracle(args.device, args.quick, out, log)
+        flat = [{"run": f"{r['shape']} {'compiled' if r['compiled'] else 'eager'}", "budget": b, **m}
+                for r in report["oracle"] for b, m in r.get("budgets", {}).items()]
+        print("\n3. the oracle benchmark (every draft right)\n" + table(
+            flat, ["run", "budget", "tau", "tokens_per_s", "speedup", "efficiency", "exact_match"]))
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{report['device']}, torch {report['torch']}: {report['seconds']} s; {out / 'gpu-check.json'}")
+    strict = [r for r in report.get("exact", []) if r["dtype"] == "float64"]
+    return 0 if all(r["all_exact"] for r in strict) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
