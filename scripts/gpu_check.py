@@ -78,7 +78,7 @@ def exact(device: str, quick: bool, log) -> list[dict]:
             want = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, do_sample=False,
                                     pad_token_id=0)[0, p.shape[1]:].tolist() for p in prompts]
         for kind in KINDS:
-            heads = perturbed(DraftHeads.for_target(target, kind, 3), 0.05 if kind in ("eagle3", "dflash") else 0.2)
+            heads = perturbed(DraftHeads.for_target(target, kind, 3), 0.1)
             for tree in ("static", "dynamic"):
                 gen = SpeculativeGenerator(target, None, HeadsDrafter(heads, target))
                 same, tau = 0, []
@@ -106,8 +106,8 @@ def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps
     target = random_target(shape, torch.device(device), torch.bfloat16, max_positions=max(4096, length + 8))
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = vocab // 4 if vocab // 4 >= 2048 else 0
-    heads = DraftHeads.for_target(target, kind, 4 if kind != "dflash" else 7,
-                                  draft_ids=torch.arange(draft, device=device) if draft else None).to(device)
+    heads = DraftHeads.for_target(target, kind, 4, draft_ids=torch.arange(draft, device=device) if draft else None)
+    heads.to(device)
     heads.float()  # the heads train in float32 beside a bfloat16 target, as the recipes' mixed precision does
     objective = HeadsObjective(heads, LossConfig(), logit_transform(target.config))
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-4)

@@ -20,7 +20,8 @@ KIND_NAMES = ("chained", "parallel", "eagle3", "dflash")
 ROOMS = {
     "base": ["medusa_train.base.errors", "medusa_train.base.files"],
     "target": ["medusa_train.target.model", "medusa_train.target.states"],
-    "kinds": ["medusa_train.kinds", "medusa_train.kinds.heads", "medusa_train.kinds.blocks",
+    "kinds": ["medusa_train.kinds", "medusa_train.kinds.heads", "medusa_train.kinds.attention",
+              "medusa_train.kinds.blocks",
               "medusa_train.kinds.speculators", "medusa_train.kinds.chained", "medusa_train.kinds.parallel",
               "medusa_train.kinds.eagle3", "medusa_train.kinds.dflash"],
     "recipe": ["medusa_train.config"],

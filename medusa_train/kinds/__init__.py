@@ -1,6 +1,7 @@
 """Draft head kinds, each one module behind one interface (`heads.DraftHeads`; docs/design.md, "A kind"):
 
     heads        the interface, the registry, the saved spec, save and load
+    attention    masked training attention that keeps no scores off a CPU (eagle3's and dflash's)
     blocks       what chained and parallel share: residual blocks, the context encoder, the target's LM head
     speculators  what eagle3 and dflash share: reading the target's layers, an LM head of their own, speculators' format
     chained      each head reads the previous one's state and the token before its own guess (the default)

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..base.errors import ConfigError
 from ..target.model import text_config
+from .attention import masked_attention
 from .heads import Drafting, Export, ExportSource, HeadsSpec, TargetLayersOptions, register
 from .speculators import (SpeculatorHeads, apply_rotary, init_draft, llama_layer_config, speculators_common,
                           speculators_source_tensors, speculators_tensors)
@@ -152,8 +153,11 @@ class DFlashLayer(nn.Module):
         q = attn.q_norm(attn.q_proj(y).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.kv(y, cos, sin)
-        a = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2),
-                                           attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        if mask is None:  # drafting: one block that sees every cached position and itself
+            a = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=True)
+        else:  # training's anchored blocks (kinds/attention.py: no [Q, P + Q] scores kept on a GPU)
+            a = masked_attention(q, keys, values, lambda lo, hi: mask[:, :, lo:hi], self.scaling)
         x = x + attn.o_proj(a.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..base.errors import ConfigError, ExportError
 from ..target.model import target_fingerprint
+from .attention import masked_attention
 from .heads import Drafting, Export, ExportSource, HeadsSpec, TargetLayersOptions, key_value, register
 from .speculators import (SpeculatorHeads, apply_rotary, init_draft, llama_layer_config, speculators_common,
                           speculators_source_tensors, speculators_tensors, vocab_maps_to_draft_ids)
@@ -185,9 +186,9 @@ class Eagle3Draft(nn.Module):
             q, kk, vv = layer.project(e, s, cos, sin)
             keys.append(kk)
             values.append(vv)
-            mask = torch.cat([causal] + [diagonal] * k, dim=1)  # [T, (k+1) T]
-            a = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
-                                               scale=layer.self_attn.scaling, enable_gqa=True)
+            mask = torch.cat([causal] + [diagonal] * k, dim=1)[None, None]  # [1, 1, T, (k+1) T]
+            a = masked_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                 lambda lo, hi, m=mask: m[:, :, lo:hi], layer.self_attn.scaling)
             s = self.output(layer.finish(a, s))
             out.append(self.scoring_input(s))
         return torch.stack(out)
