@@ -51,8 +51,10 @@ import torch
 from .base.errors import ArgumentParser, ExportError
 from .base.files import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
 from .kinds import KINDS
-from .kinds.heads import DraftHeads, ExportSource, HeadsSpec, check_fingerprint, kind_class, load_spec
-from .target.model import merge_recorded_adapter, recorded_adapter
+from .kinds.heads import (DraftHeads, ExportSource, HeadsMismatchError, HeadsSpec, check_fingerprint, kind_class,
+                          load_spec)
+from .target.model import (checkpoint_tensors, fingerprint_difference, merge_recorded_adapter, recorded_adapter,
+                           weights_fingerprint)
 
 FORMATS = tuple(dict.fromkeys(fmt for kind in KINDS.values() for fmt in kind.exports))
 
@@ -80,6 +82,24 @@ def _target_model(name: str, fingerprint: dict[str, Any], dtype: torch.dtype | s
                           "local copy of the target") from None
     model = merge_recorded_adapter(model, fingerprint, name)
     return (model, tok) if tokenizer else model
+
+
+def target_weights(name: str, spec: HeadsSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head weights, float32, checked against the heads' fingerprint: read from a local
+    checkpoint's safetensors alone (`checkpoint_tensors`: a 70B target's 4 GB, not its 140 in float32), else from the
+    loaded model (with the heads' recorded adapter merged in, which never touches these two)."""
+    tensors = checkpoint_tensors(name) if Path(os.path.expanduser(name)).is_dir() else None
+    if tensors is None:
+        model = _target_model(name, spec.target_fingerprint)
+        check_fingerprint(spec.target_fingerprint, model, spec.target_name)
+        return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    embedding, lm_head = (t.float() for t in tensors)
+    expected = {k: v for k, v in spec.target_fingerprint.items() if k != "adapter"}  # an adapter leaves these alone
+    diff = fingerprint_difference(expected, weights_fingerprint(embedding, lm_head))
+    if diff is not None:
+        where = f" (heads were trained for {spec.target_name})" if spec.target_name else ""
+        raise HeadsMismatchError(f"heads do not fit this target: {diff}{where}")
+    return embedding, lm_head
 
 
 def _needs_text(needs: dict[str, Any]) -> str:
@@ -168,21 +188,19 @@ def export(heads_dir: str | os.PathLike, out: str | os.PathLike, fmt: str, force
         verifier = verifier or str(write_merged_target(name, fingerprint, merged).resolve())
     loaded: dict[str, Any] = {}
 
-    def target_model() -> torch.nn.Module:  # loaded once, on the writer's first ask
-        if "model" not in loaded:
-            loaded["model"] = _target_model(name, fingerprint)
-            check_fingerprint(fingerprint, loaded["model"], heads.spec.target_name)
-        return loaded["model"]
+    def weights() -> tuple[torch.Tensor, torch.Tensor]:  # read once, on the writer's first ask
+        if "weights" not in loaded:
+            loaded["weights"] = target_weights(name, heads.spec)
+        return loaded["weights"]
 
     def architectures() -> list[str]:
-        config = target_model().config if embed else _target_config(name)
-        archs = list(getattr(config, "architectures", None) or [])
+        archs = list(getattr(_target_config(name), "architectures", None) or [])
         if not archs:
             raise ExportError(f"the target's config ({name}) names no architectures: pass --target with its "
                               "Hugging Face directory")
         return archs
 
-    source = ExportSource(target_model, architectures, verifier or name, embed)
+    source = ExportSource(lambda: weights()[0], lambda: weights()[1], architectures, verifier or name, embed)
     config, state = type(heads).exports[fmt].write(heads, source)
 
     def write(staging: Path) -> None:

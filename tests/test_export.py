@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tiny import save_tiny
 
 from medusa_train.kinds.eagle3 import NORMS
-from medusa_train.export import ExportError, main
+from medusa_train.export import ExportError, export, main
 from medusa_train.kinds.eagle3 import import_speculators
 from medusa_train.kinds.heads import DraftHeads
 from medusa_train.base.files import cache_root
@@ -353,3 +353,24 @@ def test_exported_files_get_ordinary_permissions(eagle3_dir, tmp_path):
     assert os.stat(tmp_path / "out").st_mode & 0o777 == os.stat(folder).st_mode & 0o777
     for f in (tmp_path / "out").iterdir():
         assert os.stat(f).st_mode & 0o777 == os.stat(plain).st_mode & 0o777, f
+
+
+def test_the_export_reads_the_targets_two_tensors_not_the_model(eagle3_dir, tmp_path, monkeypatch):
+    """The speculators export needs the target's embedding: it is read from the checkpoint's safetensors alone (the
+    model built on the meta device to learn its name), never by loading the whole target (a 70B one is 280 GB in
+    float32); a checkpoint of another model is refused by the same fingerprint, in one line."""
+    import transformers
+
+    root, target, heads = eagle3_dir
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the export loaded the whole target")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(got, target.get_input_embeddings().weight.detach().float())
+    save_tiny(tmp_path / "other", "llama", layers=6, seed=7)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="heads do not fit this target: its embedding weights differ"):
+        export(root / "heads", tmp_path / "out2", "speculators", target=str(tmp_path / "other"))

@@ -84,12 +84,10 @@ def mlp_speculator_files(heads: ChainedHeads, source: ExportSource) -> tuple[dic
     """IBM's MLP speculator layout (config.json + tensors; vLLM <= 0.32). The target's frozen embedding and LM head are
     copied into every head, as that format keeps one per head."""
     spec = heads.spec
-    target = source.target()
-    emb = (heads.embed.weight if heads.embed is not None else target.get_input_embeddings().weight).detach()
+    emb = (heads.embed.weight if heads.embed is not None else source.embedding()).detach()
     state: dict[str, torch.Tensor] = {}
     for k, block in enumerate(heads.blocks):
-        head_w = (heads.lm_heads[k].weight if heads.lm_heads is not None
-                  else target.get_output_embeddings().weight).detach()
+        head_w = (heads.lm_heads[k].weight if heads.lm_heads is not None else source.lm_head()).detach()
         state[f"emb.{k}.weight"] = emb.float().cpu().clone()
         state[f"proj.{k}.weight"] = block.proj.weight.detach().float().cpu().clone()
         state[f"head.{k}.weight"] = head_w.float().cpu().clone()
@@ -146,7 +144,9 @@ class ChainedHeads(OnTargetHeads):
         if any(getattr(spec, k) != v for k, v in MLP_SPECULATOR_NEEDS.items()):
             raise ExportError("mlp_speculator export needs heads.kind=chained, heads.block=mlp_speculator, "
                               "heads.layers_per_head=1, heads.draft_vocab_size=0 and heads.context_layers=0")
-        config, state = mlp_speculator_files(self, ExportSource(lambda: target, lambda: [], ""))
+        config, state = mlp_speculator_files(self, ExportSource(lambda: target.get_input_embeddings().weight,
+                                                                lambda: target.get_output_embeddings().weight,
+                                                                lambda: [], ""))
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))

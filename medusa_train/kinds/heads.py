@@ -195,11 +195,13 @@ class Drafting:
 
 @dataclass
 class ExportSource:
-    """What an export writer may read besides the heads, each loaded only when asked: `target()` the target model
-    (float32, adapter merged, checked against the heads), `architectures()` the target's config's architectures,
-    `verifier` the target's name on the serving machine, `embed` whether to include the target's embedding."""
+    """What an export writer may read besides the heads, each read only when asked: `embedding()` and `lm_head()` the
+    target's weights [V, d] (checked against the heads; read from its checkpoint where it can be, without loading the
+    model), `architectures()` its config's architectures, `verifier` its name on the serving machine, `embed` whether
+    to include its embedding."""
 
-    target: Callable[[], nn.Module]
+    embedding: Callable[[], torch.Tensor]
+    lm_head: Callable[[], torch.Tensor]
     architectures: Callable[[], list[str]]
     verifier: str
     embed: bool = True

@@ -23,7 +23,7 @@ class ParallelOptions(OnTargetOptions):
 def medusa_files(heads: ParallelHeads, source: ExportSource) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) in vLLM's Medusa layout, with the target's LM head copied into each head."""
     spec = heads.spec
-    lm_head = None if heads.lm_heads is not None else source.target().get_output_embeddings().weight
+    lm_head = None if heads.lm_heads is not None else source.lm_head()
     state: dict[str, torch.Tensor] = {}
     for k, block in enumerate(heads.blocks):
         for i, res in enumerate(block):

@@ -165,7 +165,7 @@ def speculators_tensors(heads: SpeculatorHeads, embed: torch.Tensor | None) -> d
 
 def speculators_source_tensors(heads: SpeculatorHeads, source) -> dict[str, torch.Tensor]:
     """`speculators_tensors` with the target's embedding unless the export leaves it out (`--no-embed`)."""
-    return speculators_tensors(heads, source.target().get_input_embeddings().weight if source.embed else None)
+    return speculators_tensors(heads, source.embedding() if source.embed else None)
 
 
 def vocab_maps_to_draft_ids(state: dict[str, torch.Tensor], vocab: int) -> torch.Tensor | None:

@@ -143,6 +143,12 @@ def output_signature(target: nn.Module, n: int = 8) -> list[float]:
     return [round(float(c), 6) for c in (h * _probe_directions(d, n)).sum(dim=1)]
 
 
+def weights_fingerprint(embedding: torch.Tensor, lm_head: torch.Tensor) -> dict[str, Any]:
+    """The part of `target_fingerprint` read off the embedding and LM head weights alone."""
+    return {"hidden_size": int(embedding.shape[1]), "vocab_size": int(lm_head.shape[0]),
+            "embed_signature": _signature(embedding), "lm_head_signature": _signature(lm_head)}
+
+
 def target_fingerprint(target: nn.Module) -> dict[str, Any]:
     """hidden size, vocab size and a dtype/device-independent signature of the embedding and LM head; for a target
     with a peft adapter merged in (`medusa_train.target.model.merge_adapter`), the adapter and the output signatures of
@@ -506,3 +512,43 @@ def greedy_tokens(lm_head: nn.Module, h: torch.Tensor, chunk_size: int = 1024) -
     with torch.no_grad():  # argmax in the logits' own dtype: a cast to fp32 would not change it
         out = [lm_head(flat[a:a + rows]).argmax(-1) for a in range(0, flat.shape[0], rows)]
     return torch.cat(out).view(h.shape[:-1])
+
+
+def checkpoint_tensors(directory: str | os.PathLike, trust_remote_code: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's input embedding and LM head weights [V, d], read from a local checkpoint's safetensors files alone
+    (a 70B target's are 2 x 2 GB of its 140): the model is built on the meta device to learn their names (a tied LM
+    head is the embedding's). None where that cannot be done (not a local directory of safetensors, names that the
+    files do not hold): the caller then loads the model."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(os.path.expanduser(str(directory)))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    elif (path / "model.safetensors").is_file():
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            where = {k: path / "model.safetensors" for k in f.keys()}
+    else:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - whatever stops a meta build, the full load reports it better
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    keys = [f"{names[id(embed)]}.weight", f"{names[id(head)]}.weight"]
+    if head.weight is embed.weight and keys[1] not in where:  # tied: the checkpoint holds the embedding only
+        keys[1] = keys[0]
+    if any(k not in where for k in keys):
+        return None
+    out = []
+    for k in keys:
+        with safe_open(str(where[k]), framework="pt") as f:
+            out.append(f.get_tensor(k))
+    return out[0], out[1]
