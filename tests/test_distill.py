@@ -9,8 +9,8 @@ import pytest
 
 import torch
 
-from medusa_train import distill as D
-from medusa_train import prompts as P
+from medusa_train.data import distill as D
+from medusa_train.data import prompts as P
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
 PROMPTS = [P.Prompt(f"p{i}", text) for i, text in enumerate(

@@ -287,7 +287,7 @@ def test_lora_settings_are_part_of_the_math_a_resume_cannot_change(ws):
 
 
 def test_evaluate_cli_brings_the_adapter_back_and_reproduces_the_held_out_acceptance(ws, joint8, tmp_path):
-    from medusa_train import evaluate as E
+    from medusa_train.train import evaluate as E
 
     out = ws / "joint8"
     args = [str(out / "recipe.yaml"), "--heads", str(out), "--split", "eval", "--max-batches", "2"]

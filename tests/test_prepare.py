@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from medusa_train import prepare
+from medusa_train.target import prepare
 from tiny import CHATML_TEMPLATE, save_tiny, tiny_model, tiny_tokenizer
 
 TEXTS = ["hello world", "<|im_start|>user\nhi there<|im_end|>\n", "ünïcödé\t\n  spaces"]

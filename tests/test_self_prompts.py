@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny import save_tiny, tiny_model, tiny_tokenizer
 
-from medusa_train import distill as D
-from medusa_train import self_prompts as S
+from medusa_train.data import distill as D
+from medusa_train.data import self_prompts as S
 from medusa_train.config import ConfigError
 
 
@@ -215,3 +215,41 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
                         if r["messages"][1]["content"] != "reply 1"}
     assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out)]) == 2  # one turn: not mixed in
     assert D.main([str(recipe), "--prompts", str(prompts), "--out", str(out), "--turns", "0"]) == 2
+
+
+def test_processes_split_the_requests_and_all_read_them_all(tmp_path, monkeypatch):
+    """Under several processes (`accelerate launch -m medusa_train.data.distill ... --prompts self`) each draws its
+    share of the requests (every world_size-th), into its own part; the main process merges them, and every process
+    goes on with all of them: none drawn twice, none missing, no part left. (Two threads with a barrier stand in for
+    two processes.)"""
+    import argparse
+    import threading
+
+    samples = {i: (f"Request number {i}: how do I plan a trip to city {i}?", True) for i in range(7)}
+    drawn: dict[int, list[int]] = {}
+
+    def fake_sample(model, tokenizer, indices, on_sample=None, **kw):
+        rank = int(threading.current_thread().name)
+        drawn[rank] = list(indices)
+        for i in indices:
+            on_sample(i, *samples[i])
+        return {i: samples[i] for i in indices}
+
+    monkeypatch.setattr(S, "sample_user_turns", fake_sample)
+    args = argparse.Namespace(limit=7, seed=3, self_temperature=1.0, self_top_p=0.95, self_max_tokens=96,
+                              batch_size=2, latin_only=False, exclude=None)
+    barrier = threading.Barrier(2)
+    out, results = tmp_path / "self.jsonl", {}
+
+    def run(rank: int) -> None:
+        results[rank] = D.self_written(None, None, args, lambda msg: None, out, rank, 2, barrier.wait)
+
+    threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(drawn[0] + drawn[1]) == list(range(7)) and not set(drawn[0]) & set(drawn[1])
+    assert [p.id for p in results[0]] == [p.id for p in results[1]] == [f"self-3-{i}" for i in range(7)]
+    assert not list(tmp_path.glob("*.rank*"))
+    assert len(D.read_requests(D.requests_file(out), D.request_settings(args))) == 7

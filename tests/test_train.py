@@ -172,7 +172,7 @@ def test_heads_round_trip_and_refuse_another_target(ws, run20):
 
 
 def test_evaluate_cli_reproduces_the_held_out_acceptance_and_crops_replies(ws, run20, tmp_path, capsys):
-    from medusa_train import evaluate as E
+    from medusa_train.train import evaluate as E
     from tiny import save_tiny
 
     cfg, _ = run20

@@ -106,7 +106,7 @@ def train_tiny(root: Path, arch: str, heads: str, train: str) -> tuple[Path, obj
     """A tiny `arch` target with vLLM-sized heads (head_dim 64), its greedy replies to most of PROMPT_TEXTS
     (`distill`), and heads (the recipe's `heads:` mapping, `train:` settings) trained on them by `train.py`'s entry
     point: (work dir, target, the held-out prompts as token ids, heads dir)."""
-    from medusa_train import cli
+    from medusa_train.train import cli
     from medusa_train.data.distill import distill
     from medusa_train.data.prompts import Prompt
 
@@ -311,7 +311,7 @@ def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
     equal our own forward's, and heads trained from them equal heads trained online."""
     from runs import write_text_data
 
-    from medusa_train import cli
+    from medusa_train.train import cli
     from medusa_train.config import load_config
     from medusa_train.data.rows import build_datasets
     from medusa_train.target.model import load_tokenizer

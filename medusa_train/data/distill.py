@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from .batch_decode import decode
@@ -380,37 +381,50 @@ def read_requests(cache: Path, settings: dict[str, Any]) -> dict[int, tuple[str,
     return have
 
 
-def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, main_process: bool = True
-                 ) -> list[Prompt]:
+def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, rank: int = 0, world_size: int = 1,
+                 wait: Callable[[], None] = lambda: None) -> list[Prompt]:
     """`--limit` requests sampled by the target from its user-turn prefix, filtered, `--exclude` files' prompts
-    removed; ids `self-SEED-I` (I: the sample's index). Samples are kept in `OUT.requests` (the main process appends
-    them), so a rerun draws only those it lacks; the seed fixes every sample, so a process that draws one again
-    draws the same."""
+    removed; ids `self-SEED-I` (I: the sample's index). Samples are kept in `OUT.requests`, so a rerun draws only those
+    it lacks; each request has a generator of its own (the seed and its index), so whoever draws it draws the same.
+    Under several processes each draws every `world_size`-th missing request into its own part
+    (`OUT.requests.rankN`), the main process merges the parts in (`wait` is the processes' barrier), and every process
+    then reads them all: no request is drawn twice."""
     cache, settings = requests_file(out), request_settings(args)
+    if rank == 0:
+        if _parts(cache):  # a crashed multi-process run: its parts first
+            merge_parts(cache)
+        _repair_tail(cache)
+    wait()
     have = read_requests(cache, settings)
     missing = [i for i in range(args.limit) if i not in have]
-    if missing:
+    mine = missing[rank::world_size]
+    part = cache if world_size == 1 else cache.with_name(f"{cache.name}.rank{rank}")
+    if mine:
         from tqdm.auto import tqdm
 
-        if main_process:
-            _repair_tail(cache)
-        bar = tqdm(total=args.limit, initial=args.limit - len(missing), desc="requests", unit="request",
-                   disable=not main_process, dynamic_ncols=True)
+        bar = tqdm(total=len(mine), desc="requests" + (" (this process)" if world_size > 1 else ""), unit="request",
+                   disable=rank != 0, dynamic_ncols=True)
         ended: list[dict[str, Any]] = []
 
         def keep(i: int, text: str, finished: bool) -> None:  # on disk as they come: a stop loses a few
             ended.append({"id": i, "text": text, "finished": finished, "settings": settings})
-            if len(ended) >= args.batch_size or len(ended) + len(have) == args.limit:
-                if main_process:
-                    _append_rows(cache, ended)
-                have.update({r["id"]: (r["text"], r["finished"]) for r in ended})
+            if len(ended) >= args.batch_size:
+                _append_rows(part, ended)
                 bar.update(len(ended))
                 ended.clear()
 
-        have.update(self_prompts.sample_user_turns(model, tokenizer, missing, temperature=args.self_temperature,
-                                      top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
-                                      batch_size=args.batch_size, seed=args.seed, on_sample=keep))
+        have.update(self_prompts.sample_user_turns(model, tokenizer, mine, temperature=args.self_temperature,
+                                                   top_p=args.self_top_p, max_new_tokens=args.self_max_tokens,
+                                                   batch_size=args.batch_size, seed=args.seed, on_sample=keep))
+        _append_rows(part, ended)
+        bar.update(len(ended))
         bar.close()
+    if world_size > 1:
+        wait()
+        if rank == 0:
+            merge_parts(cache)
+        wait()
+        have = read_requests(cache, settings)
     samples = [have[i] for i in range(args.limit)]
     verdict = self_prompts.filter_prompts(samples, latin_only=args.latin_only)
     prompts = [Prompt(f"self-{args.seed}-{i}", samples[i][0]) for i in verdict.kept]
@@ -471,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer = load_target(cfg.target, device=accelerator.device)
         if own:
-            prompts = self_written(model, tokenizer, args, say, out, accelerator.is_main_process)
+            prompts = self_written(model, tokenizer, args, say, out, accelerator.process_index,
+                                   accelerator.num_processes, accelerator.wait_for_everyone)
         if accelerator.is_main_process and _parts(out):
             merge_parts(out)  # a crashed multi-process run: fold its parts in before counting what is done
         accelerator.wait_for_everyone()
