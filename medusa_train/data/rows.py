@@ -396,6 +396,64 @@ def collate(rows: list[dict], pad_token_id: int | None) -> dict[str, torch.Tenso
     return batch
 
 
+def row_lengths(ds) -> list[int]:
+    """Each row's token count, read from the arrow column where `ds` is a `datasets.Dataset` (no row decoded; through
+    its indices mapping when it has one)."""
+    table = getattr(ds, "data", None)
+    if table is not None and hasattr(table, "column"):
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(table.column("input_ids"))
+        indices = getattr(ds, "_indices", None)
+        if indices is not None:
+            lengths = lengths.take(indices.column(0))
+        return lengths.to_pylist()
+    return [len(r["input_ids"]) for r in ds]
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Row indices in batches of similar length (`data.group_by_length`): epoch e's order is a permutation drawn from
+    (seed, e), cut into spans of `span` batches of `batch_size` rows, each span sorted longest first and cut into
+    batches, whose order is then drawn again. The same (seed, epoch) gives the same order on every process and after a
+    resume (Accelerate's `set_epoch` reaches it through the batch samplers it wraps)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, span: int = 64):
+        self.lengths = torch.as_tensor(lengths, dtype=torch.long)
+        self.batch_size, self.seed, self.span, self.epoch = batch_size, seed, span, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g)
+        step = self.span * self.batch_size
+        batches = []
+        for a in range(0, len(order), step):
+            part = order[a:a + step]
+            part = part[torch.argsort(self.lengths[part], descending=True, stable=True)]
+            batches += list(part.split(self.batch_size))
+        short = [b for b in batches if len(b) < self.batch_size]  # at most one: the last span's last batch
+        full = [b for b in batches if len(b) == self.batch_size]
+        # the loader cuts this stream every batch_size rows: a short batch anywhere but last would shift every cut
+        for i in torch.randperm(len(full), generator=g).tolist():
+            yield from full[i].tolist()
+        for b in short:
+            yield from b.tolist()
+
+
+def padded_share(lengths: list[int], batches: Iterable[list[int]]) -> float:
+    """The share of a batch's positions that are padding, over `batches` (lists of row indices)."""
+    real = padded = 0
+    for b in batches:
+        n = [lengths[i] for i in b]
+        real, padded = real + sum(n), padded + max(n) * len(n)
+    return 1 - real / max(padded, 1)
+
+
 def _marked(tokenizer, ids: list[int], labels: list[int], colour: bool) -> str:
     """Decode a row with supervised spans wrapped in [[ ]] (green when colour)."""
     open_, close = ("\x1b[32m[[", "]]\x1b[0m") if colour else ("[[", "]]")

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 from .best import Best, drop_stale_best, keep_best_metric, restore_best
 from .checkpoints import METRICS_NAME, check_resumable, remove_stale_files, resume, resume_checkpoint
 from ..config import Config, ConfigError
-from ..data.rows import build_datasets, collate, select_draft_vocab, token_counts
+from ..data.rows import (LengthGroupedSampler, build_datasets, collate, row_lengths, select_draft_vocab,
+                         token_counts)
 from ..kinds.heads import DraftHeads, kind_class
 from .joint import JointObjective, add_lora
 from .losses import HeadsObjective
@@ -239,6 +240,10 @@ def setup_forward_target(cfg: Config, target: torch.nn.Module, device) -> torch.
 def setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id: int):
     per_process = cfg.train.batch_size // accelerator.num_processes
     fn = partial(collate, pad_token_id=pad_token_id)
-    train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
+    if cfg.data.group_by_length:  # batches of rows of similar length (data.group_by_length)
+        sampler = LengthGroupedSampler(row_lengths(train_ds), per_process, cfg.train.seed)
+        train_dl = DataLoader(train_ds, batch_size=per_process, sampler=sampler, collate_fn=fn, drop_last=False)
+    else:
+        train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
     eval_dl = DataLoader(eval_ds, batch_size=per_process, shuffle=False, collate_fn=fn) if eval_ds else None
     return train_dl, eval_dl
