@@ -191,10 +191,11 @@ class TrainConfig:
     last good checkpoint; a checkpoint (or the final heads) is never written from a window above it (0: never
     stop). A healthy run's windows stay within 2x of their best; lr=1e6 reaches 1e8x."""
     cache_hidden: bool = False
-    """Keep the frozen target's hidden states of every training row in CPU memory once computed, so every
-    epoch after the first skips the target forward (costs d x 4 bytes per token in float32: for small targets and
-    datasets, such as the offline default; eagle3 heads also keep their three layers, 4 d x 4 bytes; a bfloat16
-    forward, `target.forward_dtype=bfloat16` or `target.dtype=bfloat16`, halves either)."""
+    """Keep the frozen target's hidden states of every training row once computed, so every epoch after the first
+    skips the target forward (costs d x 4 bytes per token in float32; eagle3 heads also keep their three layers,
+    4 d x 4 bytes; a bfloat16 forward, `target.forward_dtype=bfloat16` or `target.dtype=bfloat16`, halves either).
+    In CPU memory with one process (small targets and datasets, such as the offline default); with several, on disk
+    in `output_dir/hidden-cache` (where the processes share their rows), unless hidden_cache_dir names a place."""
     heads_warmup_steps: int = 0
     """Joint training (target.lora): the first this-many optimizer steps train the heads alone on the original
     target (the adapters stay still, and the step costs what a frozen-target step does), then heads and adapters
@@ -207,10 +208,12 @@ class TrainConfig:
     too). The best so far is kept in `output_dir/best/` (written atomically at each evaluation that beats it) and
     `output_dir` ends with it, the last step's heads in `output_dir/last/`; metrics.jsonl and W&B log `best/step`."""
     hidden_cache_dir: str = ""
-    """Also keep those hidden states on disk here (implies cache_hidden), keyed by each row's token ids and
-    tied to the target's fingerprint: a later run on the same target (another head kind, other steps or lr)
-    reads them and skips the target forward even in its first epoch. Written atomically at the end of
-    each epoch and of the run; a directory made for another target is refused."""
+    """Keep those hidden states on disk here instead (implies cache_hidden), keyed by each row's token ids and
+    tied to the target's fingerprint, read memory-mapped (a row costs memory only while it is in a batch): the
+    processes of a run share their rows through it, and a later run on the same target (another head kind, other
+    steps or lr) reads them and skips the target forward even in its first epoch. Each process writes its new rows
+    as a shard file, atomically, every 512 MiB of them and at every epoch's end and the run's; a directory made for
+    another target is refused."""
 
 
 @dataclass

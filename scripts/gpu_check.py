@@ -4,7 +4,7 @@ no download and no registry (random-weight targets; imports: torch, transformers
     python scripts/gpu_check.py --out runs/gpu-check                # on a GPU machine (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --device cpu --quick --out /tmp/gc   # the same code paths on tiny shapes, any machine
 
-Three parts, one table each, all in OUT/gpu-check.json:
+Four parts, one table each, all in OUT/gpu-check.json:
 
 1. **exact**: the engine's greedy output against `generate` on the device, for heads of every registered kind, static
    and dynamic trees: float64 on a tiny Llama (must match token for token: the engine's contract) and float32 and
@@ -16,6 +16,10 @@ Three parts, one table each, all in OUT/gpu-check.json:
 3. **oracle**: `python -m inference.oracle` on the 8B shape, eager and compiled (`--compile`: static cache, CUDA
    graphs), every drafted token right: what the engine costs around the verify, against plain and compiled `generate`.
    Skipped on a CPU (`--quick` runs it on the small shape, eagerly).
+
+4. **launch**: `accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py RECIPE` for 4 steps on a
+   tiny random Llama, as users launch training: exit code, steps logged, heads written. It needs `datasets` (train.py
+   reads rows through it); where it is missing the part says so and the others run.
 
 Exit 0 when every float64 generation was exact (the other parts are measurements), 1 otherwise.
 """
@@ -172,6 +176,48 @@ def oracle(device: str, quick: bool, out: Path, log) -> list[dict]:
     return runs
 
 
+def launch(device: str, out: Path, steps: int, log) -> dict:
+    """`accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py RECIPE` as a user runs it (on a
+    CPU: `--cpu`), `steps` steps of chained heads on a tiny random Llama and 40 rows of text: the exit code, the
+    steps logged, the seconds, the peak memory the run logged."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("datasets") is None:
+        return {"launched": False, "error": "datasets is not installed (pip install datasets): train.py reads its "
+                                            "rows through it"}
+    sys.path.insert(0, str(ROOT / "tests"))
+    from runs import write_text_data
+    from tiny import save_tiny
+
+    work = out / "launch"
+    shutil.rmtree(work, ignore_errors=True)
+    save_tiny(work / "model", "llama")
+    write_text_data(work / "text.jsonl")
+    (work / "recipe.yaml").write_text(
+        f"target: {{model: {work / 'model'}}}\nheads: {{num_heads: 2}}\n"
+        f"data: {{dataset: {work / 'text.jsonl'}, format: text, max_length: 24, eval_size: 4}}\n"
+        f"train: {{batch_size: 4, max_steps: {steps}, log_every: 1}}\neval: {{every: 0, max_batches: 1}}\n"
+        "tracking: {backend: none}\n")
+    where = ["--cpu", "--num_processes", "1", "--mixed_precision", "no"] if device == "cpu" else [
+        "--config_file", str(ROOT / "recipes" / "accelerate" / "single_gpu.yaml")]
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *where, "--dynamo_backend", "no",
+           str(ROOT / "train.py"), str(work / "recipe.yaml"), f"output_dir={work / 'out'}"]
+    log(f"launch: {' '.join(cmd[1:3])} ... train.py, {steps} steps")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    seconds = round(time.perf_counter() - t0, 1)
+    metrics = work / "out" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    logged = [r["step"] for r in rows if "train/loss" in r]
+    result = {"launched": True, "exit_code": proc.returncode, "steps_logged": logged, "seconds": seconds,
+              "peak_gib": round(max((r["train/peak_memory_gib"] for r in rows if "train/loss" in r), default=0), 3),
+              "heads_written": (work / "out" / "model.safetensors").exists()}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return result
+
+
 def table(rows: list[dict], keys: list[str]) -> str:
     widths = [max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in keys]
     lines = ["  ".join(k.ljust(w) for k, w in zip(keys, widths))]
@@ -186,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=2, help="training rows a step (part 2)")
     p.add_argument("--length", type=int, default=2048, help="tokens a training row (part 2)")
     p.add_argument("--steps", type=int, default=3, help="timed training steps a kind, after one warm-up")
-    p.add_argument("--parts", default="exact,train,oracle")
+    p.add_argument("--parts", default="exact,train,oracle,launch")
     p.add_argument("--out", default="runs/gpu-check")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -224,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                 for r in report["oracle"] for b, m in r.get("budgets", {}).items()]
         print("\n3. the oracle benchmark (every draft right)\n" + table(
             flat, ["run", "budget", "tau", "tokens_per_s", "speedup", "efficiency", "exact_match"]))
+    if "launch" in parts:
+        report["launch"] = launch("cpu" if args.device == "cpu" else args.device, out, 4, log)
+        print("\n4. accelerate launch train.py, 4 steps (tiny target)\n" + table(
+            [report["launch"]], ["launched", "exit_code", "steps_logged", "seconds", "peak_gib", "heads_written",
+                                 "error"]))
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{report['device']}, torch {report['torch']}: {report['seconds']} s; {out / 'gpu-check.json'}")

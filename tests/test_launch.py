@@ -102,3 +102,29 @@ def test_sigterm_to_the_launcher_alone_stops_the_trainer_with_a_checkpoint(ws, t
     assert json.loads((out / "exit_status.json").read_text())["code"] == 75
     assert list((out / "checkpoints").glob("step-*"))
     shutil.rmtree(out / "wandb", ignore_errors=True)
+
+
+def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target(ws, tmp_path):
+    """Under DDP the second epoch's shuffle hands each process rows the other one computed: with the cache (on disk in
+    output_dir/hidden-cache, shared), that epoch reads every row from it and the target never runs; the heads equal a
+    run without the cache."""
+    from runs import read_jsonl
+    from safetensors.torch import load_file
+
+    args = [str(ws / "base.yaml"), "train.epochs=2", "train.keep_best=last"]
+    cached = torchrun_train([*args, "train.cache_hidden=true"], tmp_path / "cached", timeout=120)
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert f"hidden cache: on disk in {tmp_path / 'cached' / 'hidden-cache'}, where the 2 processes share" in \
+        cached.stdout
+    rows = [r for r in read_jsonl(tmp_path / "cached" / "metrics.jsonl") if "train/loss" in r]
+    first = [r for r in rows if r["train/epoch"] == 0]
+    assert first and len(rows) == 2 * len(first)
+    computed = first[-1]["train/rows_from_target"]
+    assert computed > 0 and first[-1]["train/rows_from_cache"] < computed  # epoch 1: (nearly) every row computed
+    assert rows[-1]["train/rows_from_target"] == computed  # epoch 2: not one
+    assert rows[-1]["train/rows_from_cache"] - first[-1]["train/rows_from_cache"] >= computed
+    plain = torchrun_train(args, tmp_path / "plain", timeout=120)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cached", "plain"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6
+

@@ -94,6 +94,8 @@ def test_each_process_holds_half_of_every_decoder_layer(sharded):
     assert row["target/bytes_here"] == pytest.approx(
         row["target/bytes_whole"] - row["target/bytes_layers_whole"] + row["target/bytes_layers_here"], rel=1e-6)
     assert f"target sharded over 2 processes ({LAUNCHERS[config]}, one unit per decoder layer)" in proc.stdout
+    assert "host memory while loading the target: peak " in proc.stdout  # each process's, as it loaded
+    assert len(row["target/host_peak_bytes_by_process"]) == 2 and min(row["target/host_peak_bytes_by_process"]) > 0
 
 
 def test_sharded_target_trains_the_heads_a_single_process_trains(sharded, one_chained):

@@ -272,7 +272,9 @@ def test_eagle3_heads_train_through_the_same_loop_and_cache_their_layers(ws, tmp
                           f"train.hidden_cache_dir={cache_dir}"))
     assert cached.step == 12 and max_diff(ws / "e3-plain", ws / "e3-cached") <= 1e-6
     assert json.loads((cache_dir / "meta.json").read_text())["layers"] == [1, 2]
-    rows = torch.load(sorted(cache_dir.glob("shard-*.pt"))[0], weights_only=True)
+    from medusa_train.target.states import read_shard
+
+    rows = read_shard(sorted(cache_dir.glob("shard-*.pt"))[0])
     assert {v.shape[-1] for v in rows.values()} == {3 * 32}  # h, then the two aux layers
     with pytest.raises(ConfigError, match=r"holds the target's states at layers \[1, 2\], but these heads read none"):
         train(config(ws, "e3-chained", "train.max_steps=2", f"train.hidden_cache_dir={cache_dir}"))
@@ -529,6 +531,8 @@ def test_init_from_starts_from_trained_heads(ws, run20):
 def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, tmp_path):
     """Data grown after a cached run: a batch that mixes cached and new rows runs the target on the new rows
     only, and the heads are those of a run without any cache."""
+    from medusa_train.target.states import read_shard
+
     cache_dir = tmp_path / "h"
     # 3 batches of 2: the first 6 rows of the data order, so the next run's second batch of 4 is half cached
     train(config(ws, "part", "train.max_steps=3", "train.batch_size=2", f"train.hidden_cache_dir={cache_dir}"))
@@ -537,7 +541,7 @@ def test_hidden_cache_runs_the_target_on_new_rows_only(ws, run20, monkeypatch, t
     train(config(ws, "grown", "train.max_steps=10", f"train.hidden_cache_dir={cache_dir}"))  # one epoch
     forwarded = [rows for _, rows in calls]
     monkeypatch.undo()
-    new_rows = sum(len(torch.load(p, weights_only=True)) for p in set(cache_dir.glob("shard-*.pt")) - before)
+    new_rows = sum(len(read_shard(p)) for p in set(cache_dir.glob("shard-*.pt")) - before)
     assert 0 < sum(forwarded) == new_rows < 40  # each new row once; the 40 rows minus those cached before
     assert any(0 < n < 4 for n in forwarded), forwarded  # mixed batches ran the target on their new rows only
     train(config(ws, "grown-nocache", "train.max_steps=10"))

@@ -40,6 +40,7 @@ from medusa_train.kinds.eagle3 import NORMS
 from medusa_train.base.files import cache_root
 from medusa_train.kinds.heads import DraftHeads
 from medusa_train.target.model import target_hidden
+from medusa_train.target.states import read_shard
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]
 
@@ -337,7 +338,7 @@ def test_vllm_fills_the_hidden_cache_as_our_forward_would(vllm_venv, tmp_path):
     meta = json.loads((cache / "meta.json").read_text())
     rows = {}
     for shard in cache.glob("shard-*.pt"):
-        rows.update(torch.load(shard, weights_only=True))
+        rows.update(read_shard(shard))
     cfg = load_config(recipe, [], world_size=1)
     train_ds, _, _ = build_datasets(cfg, load_tokenizer(cfg.target))
     assert len(rows) == len(train_ds) == 40 and len(meta["layers"]) == 3

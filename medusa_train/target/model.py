@@ -242,6 +242,26 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
     return model
 
 
+def model_skeleton(cfg: TargetConfig, dtype: torch.dtype) -> nn.Module:
+    """The target's modules with no weights (every tensor on the meta device), frozen: what a process builds when
+    another one reads the checkpoint and sends it its share (`sharding.shard_target(..., from_main=True)`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_hub_reachable(cfg.model, filename=cfg.gguf_file)
+    try:
+        config = AutoConfig.from_pretrained(cfg.model, **_common_kwargs(cfg))
+    except (OSError, ValueError) as e:
+        raise _load_error(cfg, "model", e) from None
+    kw = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kw["attn_implementation"] = cfg.attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kw)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def merge_adapter(model: nn.Module, adapter: str | os.PathLike, base_name: str = "") -> nn.Module:
     """`model` with the peft adapter at `adapter` merged into its weights (a plain transformers model again, as fast
     as the base). TargetLoadError in one line when the adapter was made for another base model."""

@@ -15,6 +15,10 @@ run. So the Accelerator is built without Accelerate's own FSDP or DeepSpeed (whi
 Accelerate ignores on CPUs), and this module shards the target with torch's `fully_shard` or DeepSpeed's ZeRO-3
 parameter partitioning directly.
 
+Under FSDP2 only the main process reads the checkpoint: the others build the target on the meta device and receive
+their shards and the whole rest from it, so a host holds one copy of the target while it loads, not one a process.
+ZeRO-3 still loads it whole in every process.
+
 Every process must run the target's forward the same number of times (each layer's all-gather is collective): the
 hidden-state cache keeps them in step (`TargetStates(lockstep=True)`), and the real tau, which generates on the main
 process alone, is refused.
@@ -134,10 +138,20 @@ def check_shardable(cfg: Config, world_size: int, sharding: Sharding = Sharding(
         raise ConfigError(f"{prefix} was asked for with one process: launch with --num_processes 2 or more, {fix}")
 
 
-def shard_target(target: nn.Module, device: torch.device, sharding: Sharding = Sharding("fsdp2")) -> dict[str, int]:
+def loads_on_main_only(sharding: Sharding | None, world_size: int) -> bool:
+    """Whether only the main process reads the target's checkpoint (FSDP2 over several processes): the others build
+    it on the meta device and receive their shards from it (`shard_target(..., from_main=True)`), so a host holds one
+    copy of the target while it loads, not one a process."""
+    return sharding is not None and sharding.how == "fsdp2" and world_size > 1
+
+
+def shard_target(target: nn.Module, device: torch.device, sharding: Sharding = Sharding("fsdp2"),
+                 from_main: bool = False) -> dict[str, int]:
     """Shard each decoder layer of the frozen `target` across the process group (in place); the rest moves to
-    `device` whole. Returns the bytes of the target's weights: whole, held by this process (on the device, or in CPU
-    memory with ZeRO-3's offload), and those of the layers that are sharded (whole and held here)."""
+    `device` whole. `from_main` (FSDP2): only the main process's `target` holds weights, the others' are on the meta
+    device (`model.model_skeleton`); the main process sends each one its shards and the whole rest, tensor by tensor.
+    Returns the bytes of the target's weights: whole, held by this process (on the device, or in CPU memory with
+    ZeRO-3's offload), and those of the layers that are sharded (whole and held here)."""
     from .model import decoder_layers
 
     layers = decoder_layers(target)
@@ -147,14 +161,47 @@ def shard_target(target: nn.Module, device: torch.device, sharding: Sharding = S
 
         world = torch.distributed.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
+        full = _full_state(target) if from_main else None
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        target.to(device)
+        if from_main and torch.distributed.get_rank() != 0:
+            target.to_empty(device=device)
+            target.tie_weights()
+        else:
+            target.to(device)
+        if from_main:
+            _receive_from_main(target, full, device)
     else:
         world = _zero3_layers(target, layers, device, sharding.offload)
     return {"whole": _bytes(target.parameters(), local=False), "here": _bytes(target.parameters(), local=True),
             "layers_whole": _bytes(layers.parameters(), local=False),
             "layers_here": _bytes(layers.parameters(), local=True), "processes": world}
+
+
+def _full_state(target: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The main process's whole weights (references, no copy), taken before the layers are sharded; None elsewhere."""
+    return dict(target.state_dict()) if torch.distributed.get_rank() == 0 else None
+
+
+def _receive_from_main(target: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Every process's weights from the main process's `full` state: each process keeps its shard of each sharded
+    tensor and the whole of the rest; then the buffers no state dict holds (rotary frequencies, computed at
+    construction), and what `from_pretrained` and the adapter merge set on the model beside its weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    main = torch.distributed.get_rank() == 0
+    set_model_state_dict(target, full if main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    persistent = set(target.state_dict())
+    for name, buffer in target.named_buffers():
+        if name not in persistent:
+            torch.distributed.broadcast(buffer, src=0)
+    extras = [{"generation_config": getattr(target, "generation_config", None),
+               "medusa_adapter": getattr(target, "medusa_adapter", None)} if main else None]
+    torch.distributed.broadcast_object_list(extras, src=0)
+    for key, value in extras[0].items():
+        if value is not None:
+            setattr(target, key, value)
 
 
 def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device, offload: bool) -> int:

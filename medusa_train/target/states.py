@@ -7,11 +7,16 @@ columns the heads score (a draft vocabulary's, when there is one).
 
 With `train.cache_hidden` the target is frozen, so h for a row is the same every epoch: after the first, a batch
 whose rows are all cached skips the target forward (the dominant cost when heads are small). Rows are keyed by
-their token ids, so with `train.hidden_cache_dir` a later run on other heads reuses them: each `flush` writes the
-rows computed since the last one as a new shard file, atomically. Cost: d x (2 or 4) bytes per token on disk and
-in memory (SmolLM2-135M in float32: 2.3 KB a token, 2.6 GB for the documented 1.1M-token data). eagle3 heads also
-read three intermediate layers, so their rows are 4 d wide: 4x that (9.2 KB a token in float32; a bfloat16 forward,
-`target.forward_dtype=bfloat16`, halves it).
+their token ids. With `train.hidden_cache_dir` (and, under several processes, always: `OUTPUT_DIR/hidden-cache`
+unless the recipe names a directory) the rows live on disk: each process writes the rows it computed as shard files
+(atomically, every `FLUSH_BYTES` of new rows and at every epoch's end and the run's) and maps every shard into
+memory, so a row costs the process's memory only while it is in a batch, and the processes share their rows: at an
+epoch's end each one writes its new rows, they wait for each other, and each maps the others' shards, so the next
+epoch, whose shuffle hands a process rows another one computed, runs no target forward. A later run on other heads
+reuses the same directory. Cost on disk: d x (2 or 4) bytes per token for h, 4 for the greedy token (SmolLM2-135M
+in float32: 2.3 KB a token, 2.6 GB for the documented 1.1M-token data); eagle3 heads also read three intermediate
+layers, so their rows are 4 d wide: 4x that (a bfloat16 forward, `target.forward_dtype=bfloat16`, halves it). In
+memory: about 250 bytes a row for the index, plus the rows computed since the last write.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from ..base.files import atomic_write, atomic_write_text
 from .model import fingerprint_difference, greedy_tokens, target_hidden
 
 META_NAME = "meta.json"
+SHARD_GLOB = "shard-*.pt"
+FLUSH_BYTES = 512 * 2 ** 20  # new rows kept in memory before they are written as a shard (and mapped back)
+KEY_BYTES = 20
 
 
 def row_key(ids: torch.Tensor) -> bytes:
@@ -39,13 +47,68 @@ def row_key(ids: torch.Tensor) -> bytes:
     return hashlib.sha1(ids.to(torch.int64).cpu().numpy().tobytes()).digest()
 
 
+class Shard:
+    """One shard file of the cache, memory-mapped: a row's tensors are views into the file, read when used.
+
+    The format: {"keys": uint8 [n, 20], "offsets": int64 [n + 1], "h": [tokens, width], "greedy": int32 [tokens],
+    "has_greedy": bool [n]}, row i at tokens offsets[i]:offsets[i + 1]. Shards written before it ({key: h}, one tensor a
+    row) are read as they are, their greedy tokens computed again."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(data, dict):
+                raise ValueError(f"holds a {type(data).__name__}, not a dict of rows")
+        except Exception as e:  # noqa: BLE001 - a truncated or damaged file fails in several ways
+            raise ConfigError(f"train.hidden_cache_dir: {path} cannot be read ({str(e).splitlines()[0][:100]}): "
+                              "delete that shard (its rows are computed again) or the whole directory") from None
+        self.path = path
+        if "offsets" in data:
+            self.rows = None
+            self.h, self.greedy_tokens, has = data["h"], data["greedy"], data["has_greedy"].tolist()
+            offsets, keys = data["offsets"].tolist(), data["keys"].numpy().tobytes()
+            self.slots = {keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]: (offsets[i], offsets[i + 1], has[i])
+                          for i in range(len(has))}
+        else:
+            self.rows, self.slots = data, dict.fromkeys(data)
+
+    def keys(self):
+        return self.slots.keys()
+
+    def hidden(self, key: bytes) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows[key]
+        start, end, _ = self.slots[key]
+        return self.h[start:end]
+
+    def greedy(self, key: bytes) -> torch.Tensor | None:
+        if self.rows is not None:
+            return None
+        start, end, has = self.slots[key]
+        return self.greedy_tokens[start:end] if has else None
+
+    @staticmethod
+    def write(path: Path, rows: list[tuple[bytes, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Write (key, h [n, width], greedy [n] or None) rows as one shard, atomically."""
+        lengths = [h.shape[0] for _, h, _ in rows]
+        offsets = torch.tensor([0, *lengths]).cumsum(0)
+        greedy = torch.cat([g.to(torch.int32) if g is not None else torch.zeros(h.shape[0], dtype=torch.int32)
+                            for _, h, g in rows])
+        data = {"keys": torch.frombuffer(bytearray(b"".join(k for k, _, _ in rows)), dtype=torch.uint8
+                                         ).view(len(rows), KEY_BYTES),
+                "offsets": offsets, "h": torch.cat([h for _, h, _ in rows]), "greedy": greedy,
+                "has_greedy": torch.tensor([g is not None for _, _, g in rows])}
+        atomic_write(path, lambda tmp: torch.save(data, tmp))
+
+
 class TargetStates:
     """(h [B, T, d], greedy [B, T]) for training batches: `states(batch)`.
 
-    `cache`: keep every row's h in CPU memory once computed (`train.cache_hidden`); `directory`: also on disk,
-    tied to the target's `fingerprint` and the dtype of the forward that made them (`train.hidden_cache_dir`,
-    implies `cache`). Greedy tokens are kept per row in memory whenever h is (not on disk: cheap to recompute
-    from h), so a row pays the full-vocabulary LM head once per run, not once per epoch.
+    `cache`: keep every row's h once computed (`train.cache_hidden`), in memory; `directory`: on disk instead, shared
+    by the processes and by later runs, tied to the target's `fingerprint` and the dtype of the forward that made them
+    (`train.hidden_cache_dir`, implies `cache`). The greedy tokens are kept with h, so a row pays the full-vocabulary
+    LM head once, not once per epoch. `computed_rows` / `cached_rows` count the rows this process ran the target on
+    and those it read from the cache.
     """
 
     def __init__(self, target: nn.Module, lm_head: nn.Module, cache: bool = False,
@@ -55,18 +118,27 @@ class TargetStates:
         self.lockstep = lockstep  # a sharded target: every process runs its forward whenever any process must
         self.layers = tuple(layers)  # eagle3: the aux layers read after h_t
         self.cache = cache or bool(directory)
-        self.rows: dict[bytes, torch.Tensor] = {}
-        self.greedy_rows: dict[bytes, torch.Tensor] = {}
-        self.new: list[bytes] = []  # rows the next flush writes
+        self.fresh: dict[bytes, torch.Tensor] = {}  # rows in memory: all of them without a directory, else unwritten
+        self.fresh_greedy: dict[bytes, torch.Tensor] = {}
+        self.fresh_bytes = 0
+        self.index: dict[bytes, Shard] = {}  # rows on disk
+        self.opened: set[str] = set()
         self.dir = Path(directory) if directory else None
         self.rank = rank
+        self.computed_rows = self.cached_rows = 0
         if self.dir is not None:
             self._open(fingerprint or {}, str(next(target.parameters()).dtype).removeprefix("torch."))
         self.d = target.get_output_embeddings().weight.shape[1]
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.fresh or key in self.index
+
+    def __len__(self) -> int:
+        return len(self.fresh) + len(self.index)
+
     def _open(self, fingerprint: dict[str, Any], dtype: str) -> None:
         """Check (or write) meta.json: the target's fingerprint and the dtype of the forward that made the rows;
-        then read every shard."""
+        then map every shard."""
         meta = self.dir / META_NAME
         if meta.is_file():
             saved = json.loads(meta.read_text())
@@ -90,15 +162,33 @@ class TargetStates:
             # several ranks may race here; every one writes the same content
             atomic_write_text(meta, json.dumps({"target_fingerprint": fingerprint, "dtype": dtype,
                                                 "layers": list(self.layers)}))
-        for shard in sorted(self.dir.glob("shard-*.pt")):
-            try:
-                self.rows.update(torch.load(shard, map_location="cpu", weights_only=True))
-            except Exception as e:  # noqa: BLE001 - a truncated or damaged file fails in several ways
-                raise ConfigError(f"train.hidden_cache_dir: {shard} cannot be read ({str(e).splitlines()[0][:100]}): "
-                                  "delete that shard (its rows are computed again) or the whole directory") from None
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Map the shards written since the last look (other processes', or other runs'); returns the rows added."""
+        if self.dir is None:
+            return 0
+        before = len(self.index)
+        for path in sorted(self.dir.glob(SHARD_GLOB)):
+            if path.name not in self.opened:
+                shard = Shard(path)
+                self.index.update(dict.fromkeys(shard.keys(), shard))
+                self.opened.add(path.name)
+        return len(self.index) - before
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return target_hidden(self.target, ids, mask, self.layers)
+
+    def hidden_row(self, key: bytes) -> torch.Tensor:
+        """A cached row's states [n, width] (a view into its shard's file, or the copy in memory)."""
+        row = self.fresh.get(key)
+        return row if row is not None else self.index[key].hidden(key)
+
+    def _greedy_row(self, key: bytes) -> torch.Tensor | None:
+        row = self.fresh_greedy.get(key)
+        if row is None and key in self.index:
+            row = self.index[key].greedy(key)
+        return row
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(h [B, T, d], the target's greedy token at every position [B, T], 0 past each row's end). With `layers`
@@ -110,43 +200,50 @@ class TargetStates:
         lengths = mask.sum(1).tolist()  # a small host read, once per micro-step
         keys = [row_key(ids[b, :n]) for b, n in enumerate(lengths)]
         h = self._hidden(ids, mask, keys, lengths)
-        no_greedy = [b for b, k in enumerate(keys) if k not in self.greedy_rows]
+        rows = [self._greedy_row(k) for k in keys]
+        no_greedy = [b for b, row in enumerate(rows) if row is None]
         if no_greedy:
             fresh = greedy_tokens(self.lm_head, h[no_greedy][..., :self.d])
             for i, b in enumerate(no_greedy):
-                self.greedy_rows[keys[b]] = fresh[i, :lengths[b]].to("cpu", copy=True)
+                rows[b] = self.fresh_greedy[keys[b]] = fresh[i, :lengths[b]].to("cpu", torch.int32, copy=True)
         greedy = torch.zeros(ids.shape, dtype=torch.long)
-        for b, k in enumerate(keys):
-            greedy[b, :lengths[b]] = self.greedy_rows[k]
+        for b, row in enumerate(rows):
+            greedy[b, :lengths[b]] = row
+        if self.dir is not None and self.fresh_bytes >= FLUSH_BYTES:
+            self.flush()
         return h, greedy.to(ids.device, non_blocking=True)
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, keys: list[bytes], lengths: list[int]) -> torch.Tensor:
         """h from the cache where it can; the target runs on the rows it has not seen only."""
-        missing = [b for b, k in enumerate(keys) if k not in self.rows]
+        missing = [b for b, k in enumerate(keys) if k not in self]
+        self.computed_rows += len(missing)
+        self.cached_rows += len(keys) - len(missing)
         if self.lockstep and self._any_process_needs_the_target(bool(missing)) and not missing:
             self.forward(ids[:1, :1], mask[:1, :1])  # takes its part in each sharded layer's all-gather
         if len(missing) == len(keys):
             h = self.forward(ids, mask)
-        else:  # new data added to a cached set: the target runs on the new rows only
-            like = next(iter(self.rows.values()))
+        else:  # rows cached (all, or some: new data added to a cached set): the target runs on the others only
+            like = self.hidden_row(next(k for k in keys if k in self))
             h = torch.zeros(ids.shape[0], ids.shape[1], like.shape[-1], dtype=like.dtype)
             for b, k in enumerate(keys):
-                if k in self.rows:
-                    h[b, :lengths[b]] = self.rows[k]
+                if k in self:
+                    h[b, :lengths[b]] = self.hidden_row(k)
             h = h.to(ids.device, non_blocking=True)
             if missing:
                 rows, n = torch.tensor(missing, device=ids.device), max(lengths[b] for b in missing)
                 h[rows, :n] = self.forward(ids[rows, :n], mask[rows, :n]).to(like.dtype)
         for b in missing:
-            if keys[b] not in self.rows:  # a batch may hold the same row twice
+            if keys[b] not in self:  # a batch may hold the same row twice
                 self.keep(keys[b], h[b, :lengths[b]])
         return h
 
-    def keep(self, key: bytes, h: torch.Tensor) -> None:
-        """Keep one row's states [n, width] (a CPU copy) under its `row_key`; the next flush writes it."""
-        self.rows[key] = h.detach().to("cpu", copy=True)
-        if self.dir is not None:
-            self.new.append(key)
+    def keep(self, key: bytes, h: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
+        """Keep one row's states [n, width] (a CPU copy) under its `row_key`, and its greedy tokens [n] if known;
+        with a directory, the next flush writes them."""
+        self.fresh[key] = h.detach().to("cpu", copy=True)
+        self.fresh_bytes += self.fresh[key].nbytes
+        if greedy is not None:
+            self.fresh_greedy[key] = greedy.detach().to("cpu", torch.int32, copy=True)
 
     def _any_process_needs_the_target(self, here: bool) -> bool:
         """Whether any process runs the target on this micro-step: one small all-reduce, made only with a sharded
@@ -156,10 +253,27 @@ class TargetStates:
         torch.distributed.all_reduce(flag)
         return bool(flag.item() > 0)
 
+    def end_epoch(self, wait_for_everyone) -> None:
+        """At an epoch's end: write the rows computed since the last flush; with the cache on disk, wait for the other
+        processes to write theirs (`wait_for_everyone`, a barrier) and map them, so that the next epoch, whose shuffle
+        hands this process rows another one computed, runs no target forward."""
+        self.flush()
+        if self.dir is not None:
+            wait_for_everyone()
+            self.refresh()
+
     def flush(self) -> None:
-        """Write the rows computed since the last flush as one new shard (no-op without a directory)."""
-        if self.dir is None or not self.new:
+        """Write the rows computed since the last flush as one new shard and map it back, so that their memory is
+        freed (no-op without a directory)."""
+        if self.dir is None or not self.fresh:
             return
         final = self.dir / f"shard-{time.strftime('%Y%m%d-%H%M%S')}-r{self.rank}-{uuid.uuid4().hex[:8]}.pt"
-        atomic_write(final, lambda tmp: torch.save({k: self.rows[k] for k in self.new}, tmp))
-        self.new = []
+        Shard.write(final, [(k, h, self.fresh_greedy.get(k)) for k, h in self.fresh.items()])
+        self.refresh()
+        self.fresh, self.fresh_greedy, self.fresh_bytes = {}, {}, 0
+
+
+def read_shard(path: str | os.PathLike) -> dict[bytes, torch.Tensor]:
+    """A shard's rows, {key: h [n, width]} (for tools and tests)."""
+    shard = Shard(Path(path))
+    return {k: shard.hidden(k) for k in shard.keys()}

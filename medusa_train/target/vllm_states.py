@@ -69,7 +69,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     from ..config import ConfigError
     from ..data.rows import build_datasets
     from ..train.run import setup_forward_target, setup_heads
-    from .model import decoder_layers, load_model, load_tokenizer, target_fingerprint
+    from .model import decoder_layers, greedy_tokens, load_model, load_tokenizer, target_fingerprint
     from .states import TargetStates, row_key
 
     cache_dir = cfg.train.hidden_cache_dir
@@ -92,7 +92,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     rows: dict[bytes, list[int]] = {}  # the rows the cache lacks, by key (a row twice in the data: once)
     for ids in train_ds["input_ids"]:
         key = row_key(torch.tensor(ids))
-        if key not in states.rows:
+        if key not in states:
             rows.setdefault(key, list(ids))
     work = Path(cache_dir) / "vllm-work"
     if rows:
@@ -116,9 +116,9 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
         norm = final_norm(forward)
         for part in sorted(out.glob("part-*.safetensors")):
             for name, hs in load_file(str(part)).items():
-                states.keep(keys[int(name.removeprefix("row"))],
-                            rows_to_cache(hs, layers, aux, num_layers, norm, dtype))
-        got = sum(k in states.rows for k in keys)
+                row = rows_to_cache(hs, layers, aux, num_layers, norm, dtype)
+                states.keep(keys[int(name.removeprefix("row"))], row, greedy_tokens(states.lm_head, row[:, :states.d]))
+        got = sum(k in states for k in keys)
         if got < len(keys):
             raise RuntimeError(f"vLLM returned states for {got} of {len(keys)} rows")
         states.flush()

@@ -93,9 +93,24 @@ def peak_memory_gib(device: torch.device) -> float:
     process otherwise (Linux's ru_maxrss, in KiB). The main process's, which a sharded run's others match."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return host_peak_bytes() / 2 ** 30
+
+
+def cache_counts(accelerator, states) -> dict[str, int]:
+    """With the hidden-state cache: the rows the target ran on and those read from the cache so far, all processes
+    (one small reduce, on log steps only)."""
+    if not states.cache:
+        return {}
+    counts = torch.tensor([states.computed_rows, states.cached_rows], device=accelerator.device)
+    computed, cached = accelerator.reduce(counts, "sum").tolist()
+    return {"train/rows_from_target": computed, "train/rows_from_cache": cached}
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (Linux's ru_maxrss is in KiB)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def log_row(accelerator, cfg: Config, step: int, row: dict[str, Any]) -> None:

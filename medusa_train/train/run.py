@@ -25,13 +25,14 @@ from ..data.rows import (LengthGroupedSampler, build_datasets, collate, row_leng
 from ..kinds.heads import DraftHeads, kind_class
 from .joint import JointObjective, add_lora
 from .losses import HeadsObjective
-from .metrics import setup_tracking
+from .metrics import host_peak_bytes, setup_tracking
 from .optim import build_optimizer
 from .preflight import check_before_loading
 from .processes import check_joint_distributed, say_processes, set_aside_fsdp_on_cpus, setup_accelerator, unwrapped
 from ..target.sharding import describe as describe_sharding
-from ..target.sharding import check_shardable, shard_target, take_over_sharding
-from ..target.model import load_model, load_tokenizer, logit_transform, resolve_dtype, target_fingerprint
+from ..target.sharding import check_shardable, loads_on_main_only, shard_target, take_over_sharding
+from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype,
+                            target_fingerprint)
 from ..target.states import TargetStates
 from .tau import tau_prompt_ids
 
@@ -111,35 +112,53 @@ def setup(cfg: Config) -> Run:
             where = cfg.eval.tau_prompts or "the held-out split"
             raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
                               "prompts file")
-    # a sharded target loads on the CPU (each process then keeps its shards on the device)
-    target = load_model(cfg.target, "cpu" if sharded else accelerator.device,
-                        resolve_dtype(cfg.target.dtype, accelerator.device))
+    # a sharded target loads on the CPU (each process then keeps its shards on the device); under FSDP2 only the main
+    # process reads the checkpoint, the others build the model on the meta device and receive their shards
+    dtype = resolve_dtype(cfg.target.dtype, accelerator.device)
+    from_main = loads_on_main_only(sharded, accelerator.num_processes)
+    if from_main and not accelerator.is_main_process:
+        target = model_skeleton(cfg.target, dtype)
+    else:
+        target = load_model(cfg.target, "cpu" if sharded else accelerator.device, dtype)
     peft = None
     if cfg.target.lora.r:
         check_joint_distributed(accelerator)
         peft = add_lora(target, cfg.target.lora)
         target = peft.get_base_model()  # the same model, with the adapters in its layers
     forward_target = setup_forward_target(cfg, target, accelerator.device)
+    if from_main:  # the weights arrive with the shards, and the heads start from some of them
+        sizes = shard_target(target, accelerator.device, sharded, from_main=True)
     heads = setup_heads(cfg, target, train_ds, tokenizer)
     if sharded:
-        sizes = shard_target(target, accelerator.device, sharded)
+        if not from_main:
+            sizes = shard_target(target, accelerator.device, sharded)
         heads.to(accelerator.device)
         accelerator.print(describe_sharding(sizes, sharded))
+        # each process's peak host memory so far: loading the target is what sets it (one copy a host, or one a process)
+        peaks = accelerator.gather(torch.tensor([host_peak_bytes()], device=accelerator.device)).tolist()
+        accelerator.print("host memory while loading the target: peak " + ", ".join(
+            f"{p / 2 ** 30:.2f}" for p in peaks) + " GiB by process")
         if accelerator.is_main_process and ckpt is None:  # the main process's share, in the run's own record
             with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
-                f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}) + "\n")
+                f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}
+                                   | {"target/host_peak_bytes_by_process": peaks}) + "\n")
     n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
     n_target = sum(getattr(p, "ds_numel", p.numel()) for p in target.parameters())  # ZeRO-3: whole sizes
     n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
     accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
         f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
         if peft is not None else f"target frozen ({n_target:,} params)"))
-    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden,
-                          cfg.train.hidden_cache_dir or None, target_fingerprint(target), accelerator.process_index,
-                          layers=heads.target_layers,
+    cache_dir = cfg.train.hidden_cache_dir or None
+    if cfg.train.cache_hidden and cache_dir is None and accelerator.num_processes > 1:
+        # each process's memory would hold its own rows only, and the next epoch's shuffle hands it others'
+        cache_dir = str(Path(cfg.output_dir) / "hidden-cache")
+        accelerator.print(f"hidden cache: on disk in {cache_dir}, where the {accelerator.num_processes} processes "
+                          "share their rows (train.hidden_cache_dir=DIR puts it elsewhere)")
+    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden, cache_dir,
+                          target_fingerprint(target), accelerator.process_index, layers=heads.target_layers,
                           lockstep=sharded is not None and accelerator.num_processes > 1)
-    if states.rows:
-        accelerator.print(f"hidden cache: {len(states.rows)} rows read from {cfg.train.hidden_cache_dir}")
+    if len(states):
+        accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
 
     objective = make_objective(cfg, heads, target, peft)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)

@@ -35,7 +35,7 @@ from .divergence import check_finite, check_loss_growth, count_nonfinite
 from .evaluate import evaluate, save_acceptance
 from ..kinds.heads import DraftHeads
 from .joint import held_out_lm_kl, save_adapter
-from .metrics import Meter, log_acceptance, log_row, wandb_offline
+from .metrics import Meter, cache_counts, log_acceptance, log_row, wandb_offline
 from .processes import StopRequest, all_agree_to_stop, full_params
 from .run import Run, setup
 from .tau import measure_tau, rng_devices
@@ -133,6 +133,7 @@ def train_loop(run: Run) -> bool:
                 count_nonfinite(cfg, accelerator, meter, finite, step)
                 if step % cfg.train.log_every == 0 or last:
                     row = meter.row(accelerator, cfg, position, run.scheduler.get_last_lr()[0])
+                    row |= cache_counts(accelerator, run.states)
                     if run.peft is not None:  # the adapters' group is the last
                         row["train/adapter_lr"] = run.scheduler.get_last_lr()[-1]
                     log_row(accelerator, cfg, step, row)
@@ -159,7 +160,7 @@ def train_loop(run: Run) -> bool:
                 if last or stop.requested:
                     break
             else:  # the epoch ran out
-                run.states.flush()
+                run.states.end_epoch(run.accelerator.wait_for_everyone)  # the processes share their new rows
                 position["epoch"] += 1
                 position["batch_in_epoch"] = 0
     bar.close()

@@ -1,0 +1,93 @@
+"""Peak host memory of each process of a 2-process FSDP2 run (`accelerate launch --config_file
+recipes/accelerate/fsdp2.yaml --num_processes 2 train.py ...`, one training step) on a random Llama-shaped target of
+about 1.3 GB in float32: what loading a sharded target costs a host.
+
+    python scripts/sharded_load_memory.py --out docs/results/sharded-load-memory.json
+    python scripts/sharded_load_memory.py --tree OTHER_CHECKOUT    # the same run with another version's train.py
+
+Each process reports its peak resident memory (ru_maxrss) when it exits, through a sitecustomize module put on its
+path, so any version of the trainer is measured the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = '''import atexit, json, os, resource
+def _report():
+    rank = os.environ.get("RANK")
+    if rank is not None:
+        with open(os.path.join(os.environ["PEAK_DIR"], f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": int(rank), "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
+atexit.register(_report)
+'''
+
+
+def make_target(path: Path, layers: int, hidden: int) -> int:
+    """A random Llama (grouped-query attention, vocabulary 8192) and the tests' tiny tokenizer; returns its bytes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from tiny import tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", default=str(ROOT), help="the checkout whose train.py runs")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--out", help="write the figures here as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        size = make_target(tmp / "model", args.layers, args.hidden)
+        sys.path.insert(0, str(ROOT / "tests"))
+        from runs import write_text_data
+
+        write_text_data(tmp / "text.jsonl")
+        (tmp / "recipe.yaml").write_text(
+            f"target: {{model: {tmp / 'model'}}}\nheads: {{num_heads: 2}}\n"
+            f"data: {{dataset: {tmp / 'text.jsonl'}, format: text, max_length: 24, eval_size: 0}}\n"
+            "train: {batch_size: 2, max_steps: 1, keep_best: last}\neval: {every: 0}\n")
+        (tmp / "site").mkdir()
+        (tmp / "site" / "sitecustomize.py").write_text(REPORT)
+        (tmp / "peaks").mkdir()
+        env = os.environ | {"PYTHONPATH": f"{tmp / 'site'}:{args.tree}", "PEAK_DIR": str(tmp / "peaks"),
+                            "OMP_NUM_THREADS": "1"}
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+               str(ROOT / "recipes" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+               "--dynamo_backend", "no", str(Path(args.tree) / "train.py"), str(tmp / "recipe.yaml"),
+               f"output_dir={tmp / 'out'}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        peaks = sorted((json.loads(p.read_text()) for p in (tmp / "peaks").glob("rank*.json")),
+                       key=lambda r: r["rank"])
+    result = {"target_bytes": size, "layers": args.layers, "hidden": args.hidden, "tree": args.tree,
+              "peak_bytes_by_process": [r["peak_bytes"] for r in peaks]}
+    print(f"target {size / 2 ** 30:.2f} GiB (float32); peak host memory by process: "
+          + ", ".join(f"{r['peak_bytes'] / 2 ** 30:.2f} GiB" for r in peaks))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
