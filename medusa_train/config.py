@@ -605,6 +605,11 @@ def validate_eval(cfg: Config) -> None:
          f"eval.tree_budgets must be a list of draft-node budgets >= 1, e.g. [4, 8, 64], got {e.tree_budgets}")
     need(e.tau_budget >= 1, f"eval.tau_budget must be >= 1 draft node, got {e.tau_budget}")
     need(e.tau_every >= 0, f"eval.tau_every must be >= 0 (0: never), got {e.tau_every}")
+    attn = cfg.target.attn_implementation or ""
+    need(not (e.tau_every and attn.startswith(("flash_attention", "paged"))),
+         f"eval.tau_every runs our engine on the target, whose tree mask target.attn_implementation={attn} cannot "
+         "take: set target.attn_implementation=sdpa, or eval.tau_every=0 and measure tau after training with "
+         "python -m inference.bench")
     need(e.tau_num_prompts >= 1, f"eval.tau_num_prompts must be >= 1, got {e.tau_num_prompts}")
     need(e.tau_max_new_tokens >= 1, f"eval.tau_max_new_tokens must be >= 1, got {e.tau_max_new_tokens}")
     if e.tau_prompts and (looks_local(e.tau_prompts) or Path(e.tau_prompts).exists()):

@@ -244,7 +244,10 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
     cases = [(["eval.tau_every=5", missing], "eval.tau_prompts: file not found"),
              (["eval.tau_budget=0"], "eval.tau_budget must be >= 1"),
              (["eval.tree_budgets=[4,0]"], "eval.tree_budgets must be a list of draft-node budgets >= 1"),
-             (["train.keep_best=tau"], "train.keep_best=tau needs real-tau measurements")]
+             (["train.keep_best=tau"], "train.keep_best=tau needs real-tau measurements"),
+             (["eval.tau_every=5", "target.attn_implementation=flash_attention_2"],
+              "eval.tau_every runs our engine on the target, whose tree mask target.attn_implementation="
+              "flash_attention_2 cannot take: set target.attn_implementation=sdpa")]
     for overrides, message in cases:
         out = tmp_path / "out"
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), str(ws / "base.yaml"), f"output_dir={out}",
@@ -261,6 +264,11 @@ def test_bad_real_tau_inputs_exit_2_before_any_model_loads(ws, tmp_path):
         mp.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
         with pytest.raises(ConfigError, match="no row holds a prompt"):
             train(config(ws, "x-empty", "eval.tau_every=4", f"eval.tau_prompts={empty}"))
+        long = tmp_path / "long-prompts.jsonl"  # prompts, every one longer than the rows may be: said so
+        long.write_text("".join(json.dumps({"prompt": " ".join(["word"] * n)}) + "\n" for n in (200, 300)))
+        with pytest.raises(ConfigError, match=r"eval.tau_prompts=.*: all 2 prompts are dropped, each at least "
+                                              r"data.max_length=96 tokens long .*raise data.max_length above"):
+            train(config(ws, "x-long", "eval.tau_every=4", f"eval.tau_prompts={long}"))
     with pytest.raises(ConfigError, match="eval.tau_every needs prompts"):
         config(ws, "x", "eval.tau_every=4", "data.eval_size=0")
     with pytest.raises(ConfigError, match="with target.lora the target's adapter trains too"):

@@ -128,3 +128,16 @@ def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cached", "plain"))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6
 
+
+def test_fp16_mixed_precision_is_refused_before_the_model_loads(ws, tmp_path):
+    """`--mixed_precision fp16`: the loss's gradients, computed in its forward, would underflow before the loss scaler
+    scales them; refused in one line (exit 2) before the target loads, naming the launch flags that work."""
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_machines", "1",
+           "--num_processes", "1", "--mixed_precision", "fp16", "--dynamo_backend", "no", str(ROOT / "train.py"),
+           str(ws / "base.yaml"), f"output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: mixed precision fp16: ") and \
+        "--mixed_precision bf16 (GPUs since Ampere) or no" in errors[0], proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "train.py: exit code 2 (bad input, nothing trained)"
+    assert "Loading weights" not in proc.stderr  # refused before the target loads

@@ -84,6 +84,10 @@ def setup(cfg: Config) -> Run:
     fsdp_set_aside = set_aside_fsdp_on_cpus()
     accelerator = setup_accelerator(cfg)
     say_processes(accelerator, fsdp_set_aside)
+    if accelerator.mixed_precision == "fp16":  # before anything loads
+        raise ConfigError("mixed precision fp16: the loss computes its gradients in its forward pass (in float16 "
+                          "under fp16 autocast), before the loss scaler multiplies them, so small ones underflow to 0; "
+                          "launch with --mixed_precision bf16 (GPUs since Ampere) or no")
     for change in allowed:
         accelerator.print(f"resume: changed since the checkpoint (allowed): {change}")
     set_seed(cfg.train.seed)
