@@ -6,7 +6,7 @@ loads what the writer asks for, and writes the directory atomically.
     python -m medusa_train.export HEADS_DIR OUT --format eagle3           # eagle3 heads: SGLang (EAGLE-3's layout)
     python -m medusa_train.export HEADS_DIR OUT --format dflash           # dflash heads: SGLang (DFlash's layout)
     python -m medusa_train.export HEADS_DIR OUT --format medusa           # parallel heads: vLLM <= 0.32
-    python -m medusa_train.export HEADS_DIR OUT --format mlp_speculator   # chained mlp_speculator heads: vLLM <= 0.32
+    python -m medusa_train.export HEADS_DIR OUT --format mlp_speculator   # chained mlp_speculator heads: no engine
 
 - `speculators`: speculators 0.9's Eagle3 layout (`speculators_model_type: eagle3`), which vLLM serves with
   `--speculative-config '{"method": "eagle3", "model": OUT, ...}'` (or `vllm serve OUT`, the verifier taken from the
@@ -29,7 +29,8 @@ loads what the writer asks for, and writes the directory atomically.
   layers by the layer whose output it takes, so `eagle_config.eagle_aux_hidden_state_layer_ids` holds ours minus one.
 - `medusa`: vLLM's Medusa layout (`blocks.{k}.layers.{l}`, `lm_heads.{k}`; removed in vLLM 0.33), with the target's
   LM head copied into each head.
-- `mlp_speculator`: IBM's MLP speculator layout (removed in vLLM 0.33; no current engine serves it).
+- `mlp_speculator`: IBM's MLP speculator layout (vLLM's V1 engine, the only one of 0.32 and 0.33, does not run it;
+  no current engine serves it).
 
 Heads trained for base + adapter (`target.adapter`, or a joint run's `target.lora`) draft for the merged model, which
 is what the engine must serve: `--merged-target DIR` also writes it there (model and tokenizer, in the base's dtype)

@@ -141,3 +141,93 @@ def test_fp16_mixed_precision_is_refused_before_the_model_loads(ws, tmp_path):
         "--mixed_precision bf16 (GPUs since Ampere) or no" in errors[0], proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "train.py: exit code 2 (bad input, nothing trained)"
     assert "Loading weights" not in proc.stderr  # refused before the target loads
+
+
+@pytest.mark.parametrize("first, then, grouped", [(2, 1, "true"), (1, 2, "false")])
+def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then, grouped):
+    """A job resized between a checkpoint and its resume (train.batch_size is global, so the recipe is unchanged):
+    the resumed run takes the rows the uninterrupted run would have taken, in the same order, and ends with its heads;
+    it says it was resized. And a run on the other number of processes from the start ends with the same heads too:
+    each supervised position weighs the same whichever process holds it."""
+    from runs import read_jsonl
+    from safetensors.torch import load_file
+
+    args = [str(ws / "base.yaml"), "train.max_steps=12", "train.save_every=6", "train.keep_best=last",
+            f"data.group_by_length={grouped}"]
+
+    def run(processes: int, out: Path) -> subprocess.CompletedProcess:
+        if processes == 2:
+            return torchrun_train(args, out, timeout=120)
+        return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"output_dir={out}"],
+                              capture_output=True, text=True, env=ENV, timeout=120)
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    done = run(first, whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(whole / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
+    again = run(then, resumed)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resume: the checkpoint was written by {first} process" in again.stdout
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r] == list(range(7, 13))
+    other = run(then, tmp_path / "other")
+    assert other.returncode == 0, other.stderr[-3000:]
+    for d in (resumed, tmp_path / "other"):
+        a, b = (load_file(str(p / "model.safetensors")) for p in (whole, d))
+        assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6, d
+
+
+def test_processes_that_do_not_share_output_dir_are_refused_in_one_line(tmp_path, monkeypatch):
+    """Two processes (threads here, with a barrier for the collectives): one output_dir seen by both passes; a
+    process whose output_dir is a disk of its own is named, on every process, before anything loads."""
+    import threading
+
+    import accelerate.utils
+    import torch
+
+    from medusa_train.config import ConfigError
+    from medusa_train.train.processes import check_output_dir_shared
+
+    barrier, shared = threading.Barrier(2), {}
+
+    class Process:
+        num_processes, device = 2, torch.device("cpu")
+
+        def __init__(self, rank: int) -> None:
+            self.rank, self.is_main_process = rank, rank == 0
+
+        def wait_for_everyone(self) -> None:
+            barrier.wait()
+
+        def gather(self, t):
+            shared[self.rank] = t
+            barrier.wait()
+            out = torch.cat([shared[0], shared[1]])
+            barrier.wait()
+            return out
+
+    def broadcast(objects):
+        if threading.current_thread().name == "rank0":
+            shared["token"] = list(objects)
+        barrier.wait()
+        objects[:] = shared["token"]
+        return objects
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+
+    def both(dirs):
+        errors = {}
+
+        def one(rank):
+            try:
+                check_output_dir_shared(Process(rank), dirs[rank])
+            except ConfigError as e:
+                errors[rank] = str(e)
+        threads = [threading.Thread(target=one, args=(r,), name=f"rank{r}") for r in (0, 1)]
+        [t.start() for t in threads]
+        [t.join(timeout=30) for t in threads]
+        return errors
+
+    assert both([tmp_path / "out", tmp_path / "out"]) == {}
+    assert not list((tmp_path / "out").glob(".shared-*"))  # the marker is removed
+    errors = both([tmp_path / "out", tmp_path / "own-disk"])
+    assert set(errors) == {0, 1} and errors[0].startswith(f"output_dir={tmp_path / 'out'}: process 1 cannot see")

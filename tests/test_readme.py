@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTERNAL = {"pip", "vllm", "sglang.launch_server", "pytest"}  # other programs, not ours to parse here
@@ -64,12 +66,32 @@ def check_recipe(recipe: str, overrides: list[str], tmp_path: Path, monkeypatch)
         if "/" in value and value.endswith((".jsonl", ".json")):
             Path(value).parent.mkdir(parents=True, exist_ok=True)
             Path(value).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    load_config(str(ROOT / recipe), overrides)
+    return load_config(str(ROOT / recipe), overrides)
+
+
+def rows_that_fit_80gb(kind: str) -> int:
+    """Rows of 2048 tokens a process fits on an 80 GB card, at an 8B target, by head kind (docs/training.md, "What
+    fits a card": `python scripts/gpu_sizing.py` wrote it)."""
+    table = json.loads((ROOT / "docs" / "results" / "gpu-sizing.json").read_text())["table"]
+    return next(r["rows_that_fit"]["80"] for r in table if r["shape"] == "8B" and r["kind"] == kind)
+
+
+def check_fits(launch, cfg) -> None:
+    """An `accelerate launch` of training names its config (its processes and precision), and the rows each process
+    takes a micro-step fit an 80 GB card (the GPU recipes: 7-8B targets)."""
+    assert launch.config_file, "accelerate launch without --config_file: it runs Accelerate's defaults (no bf16)"
+    processes = launch.num_processes or yaml.safe_load((ROOT / launch.config_file).read_text())["num_processes"]
+    if cfg.target.model.startswith(("meta-llama/", "Qwen/", "lmsys/")):
+        rows = cfg.train.batch_size / processes
+        fit = rows_that_fit_80gb(cfg.heads.kind)
+        assert rows <= fit, (f"{rows:g} rows of {cfg.data.max_length} tokens a process a micro-step; {fit} fit an "
+                             f"80 GB card for {cfg.heads.kind} heads: lower train.batch_size, raise train.grad_accum")
 
 
 def check_command(command: str, tmp_path: Path, monkeypatch) -> str:
     """Checks one command line; returns what kind it was."""
     words = shlex.split(command.replace("$RANK", "0").replace("$MASTER", "10.0.0.1"))
+    launch = None
     if words[:2] == ["accelerate", "launch"]:
         from accelerate.commands.launch import launch_command_parser
 
@@ -93,10 +115,13 @@ def check_command(command: str, tmp_path: Path, monkeypatch) -> str:
     assert words[0] == "python", f"an unknown program in the README: {command}"
     if words[1] == "train.py":
         args = parse_with_program("medusa_train.train.cli", words[2:], monkeypatch)
-        check_recipe(args.recipe, args.overrides, tmp_path, monkeypatch)
+        cfg = check_recipe(args.recipe, args.overrides, tmp_path, monkeypatch)
+        if launch is not None:
+            check_fits(launch, cfg)
         return "train"
     assert words[1] == "-m", command
     args = parse_with_program(words[2], words[3:], monkeypatch)
+    assert launch is None or launch.config_file, f"accelerate launch without --config_file: {command}"
     if getattr(args, "recipe", None):  # distill and evaluate take a recipe and overrides too
         check_recipe(args.recipe, getattr(args, "overrides", []) or [], tmp_path, monkeypatch)
     return words[2]
@@ -134,3 +159,18 @@ def test_a_renamed_flag_is_caught(tmp_path, monkeypatch):
         check_command("python train.py recipes/smollm2-135m.yaml train.learning_rate=1e-3", tmp_path, monkeypatch)
     with pytest.raises((ConfigError, FileNotFoundError)):
         check_command("accelerate launch train.py recipes/nope.yaml", tmp_path, monkeypatch)
+
+
+def test_a_launch_that_would_not_fit_an_80gb_card_or_names_no_config_is_caught(tmp_path, monkeypatch):
+    """Training commands are launched with a config, at a batch a card holds: the 8-GPU batch on one GPU fails, the
+    same with the recipe's one-GPU override passes, and a launch without --config_file fails."""
+    eagle3 = "recipes/llama-3.1-8b-instruct-eagle3.yaml"
+    one = "accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py "
+    with pytest.raises(AssertionError, match="32 rows of 2048 tokens a process a micro-step; 5 fit an 80 GB card"):
+        check_command(one + eagle3, tmp_path, monkeypatch)
+    assert check_command(one + eagle3 + " train.batch_size=4 train.grad_accum=8", tmp_path, monkeypatch) == "train"
+    assert check_command("accelerate launch --config_file recipes/accelerate/multi_gpu_ddp.yaml train.py " + eagle3,
+                         tmp_path, monkeypatch) == "train"
+    with pytest.raises(AssertionError, match="without --config_file"):
+        check_command("accelerate launch train.py " + eagle3, tmp_path, monkeypatch)
+

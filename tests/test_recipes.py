@@ -14,12 +14,18 @@ from medusa_train.base.files import looks_local
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-GPU_RECIPES = ["llama-3.1-8b-instruct.yaml", "qwen2.5-7b-instruct.yaml", "vicuna-7b-v1.3.yaml"]
+TARGETS = ["llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "vicuna-7b-v1.3"]
+GPU_RECIPES = [f"{t}{suffix}.yaml" for t in TARGETS for suffix in ("", "-eagle3")]
 
 
 def test_the_gpu_recipes_exist():
+    """Per target, one for our engine (chained) and one that vLLM and SGLang serve (eagle3)."""
     names = {p.name for p in RECIPES}
     assert set(GPU_RECIPES) <= names
+    for target in TARGETS:
+        kinds = [yaml.safe_load((ROOT / "recipes" / f"{target}{s}.yaml").read_text())["heads"]["kind"]
+                 for s in ("", "-eagle3")]
+        assert kinds == ["chained", "eagle3"], target
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -51,6 +57,8 @@ def test_gpu_recipe_opens_with_its_launch_command_and_an_override(name: str):
     assert header, f"{name} must open with a comment"
     commands = [h for h in header if "train.py" in h]
     assert any("accelerate launch" in c and f"train.py recipes/{name}" in c for c in commands)
+    for config in ("multi_gpu_ddp.yaml", "single_gpu.yaml"):  # its launch for 8 GPUs and for one
+        assert any(f"--config_file recipes/accelerate/{config} train.py recipes/{name}" in c for c in commands), config
     assert any(re.search(r"\b[a-z_]+\.[a-z_]+=\S+", h) for h in header), "no example key=value override"
     cfg = yaml.safe_load(text)
     assert not looks_local(cfg["target"]["model"])  # a hub name, loaded only on the GPU machine

@@ -198,7 +198,12 @@ def resume(run, ckpt: Path | None) -> None:
     """Restore heads, optimizer, scheduler, sampler and RNG from `ckpt`, and the data position."""
     if ckpt is None:
         return
-    run.accelerator.load_state(str(ckpt))
+    run.accelerator.load_state(str(ckpt))  # each process's RNG where the checkpoint has one (fewer processes: not all)
+    written_by, now = len(list(ckpt.glob("random_states_*.pkl"))), run.accelerator.num_processes
+    if written_by and written_by != now:  # the data order and each step's rows do not depend on the process count
+        run.accelerator.print(f"resume: the checkpoint was written by {written_by} process"
+                              f"{'es' if written_by > 1 else ''}, this run has {now}: it goes on with the same rows "
+                              "a step (train.batch_size counts them over all processes), in the same order")
     run.position = json.loads((ckpt / TRAINER_STATE).read_text())
     p = run.position
     metrics = Path(run.cfg.output_dir) / METRICS_NAME

@@ -109,6 +109,38 @@ def say_processes(accelerator, fsdp_set_aside: bool = False) -> None:
                           f"{asked} train.py ... for {asked} CPU processes")
 
 
+def check_output_dir_shared(accelerator, directory: str | os.PathLike) -> None:
+    """Several processes (several machines, most of all) read and write one `output_dir`: the checkpoints and each
+    process's RNG state in them, `resume: auto`'s search, the shared hidden-state cache. The main process writes a
+    file there, every process looks for it; a process that cannot see it is on a disk of its own, refused in one line
+    before anything loads (a later resume would find no checkpoint, or another machine's)."""
+    if accelerator.num_processes == 1:
+        return
+    import uuid
+
+    from accelerate.utils import broadcast_object_list
+
+    directory = Path(directory)
+    token = [uuid.uuid4().hex if accelerator.is_main_process else None]
+    broadcast_object_list(token)
+    marker = directory / f".shared-{token[0]}"
+    if accelerator.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    accelerator.wait_for_everyone()
+    seen = marker.is_file() and marker.read_text() == token[0]
+    flags = accelerator.gather(torch.tensor([float(seen)], device=accelerator.device)).tolist()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink(missing_ok=True)
+    blind = [i for i, f in enumerate(flags) if f < 1]
+    if blind:
+        raise ConfigError(f"output_dir={directory}: process{'es' if len(blind) > 1 else ''} "
+                          f"{', '.join(map(str, blind))} cannot see the main process's files there (a disk of its "
+                          "own): every process of a run reads and writes one output_dir (checkpoints, resume, the "
+                          "cache); put it on a file system every machine mounts")
+
+
 def check_joint_distributed(accelerator) -> None:
     """Joint training runs on one process or under DDP; FSDP and DeepSpeed would shard a target that has both frozen
     and trainable weights, which this trainer does not set up."""

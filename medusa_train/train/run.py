@@ -28,7 +28,8 @@ from .losses import HeadsObjective
 from .metrics import host_peak_bytes, setup_tracking
 from .optim import build_optimizer
 from .preflight import check_before_loading
-from .processes import check_joint_distributed, say_processes, set_aside_fsdp_on_cpus, setup_accelerator, unwrapped
+from .processes import (check_joint_distributed, check_output_dir_shared, say_processes, set_aside_fsdp_on_cpus,
+                        setup_accelerator, unwrapped)
 from ..target.sharding import describe as describe_sharding
 from ..target.sharding import check_shardable, loads_on_main_only, shard_target, take_over_sharding
 from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype,
@@ -84,6 +85,7 @@ def setup(cfg: Config) -> Run:
     fsdp_set_aside = set_aside_fsdp_on_cpus()
     accelerator = setup_accelerator(cfg)
     say_processes(accelerator, fsdp_set_aside)
+    check_output_dir_shared(accelerator, cfg.output_dir)  # several machines: one output_dir, or a clear refusal
     if accelerator.mixed_precision == "fp16":  # before anything loads
         raise ConfigError("mixed precision fp16: the loss computes its gradients in its forward pass (in float16 "
                           "under fp16 autocast), before the loss scaler multiplies them, so small ones underflow to 0; "
@@ -164,7 +166,7 @@ def setup(cfg: Config) -> Run:
     if len(states):
         accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
 
-    objective = make_objective(cfg, heads, target, peft)
+    objective = make_objective(cfg, heads, target, peft, accelerator.num_processes)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
@@ -182,12 +184,13 @@ def setup(cfg: Config) -> Run:
     return run
 
 
-def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None) -> torch.nn.Module:
-    """What a training step runs: the heads and their loss (`HeadsObjective`), or with `peft` the adapted target too
-    (`JointObjective`)."""
+def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None,
+                   processes: int = 1) -> torch.nn.Module:
+    """What a training step runs: the heads and their loss (`HeadsObjective`; over several processes each supervised
+    position weighs the same whichever process holds it), or with `peft` the adapted target too (`JointObjective`)."""
     if peft is not None:
         return JointObjective(heads, peft, cfg.loss)
-    return HeadsObjective(heads, cfg.loss, logit_transform(target.config))
+    return HeadsObjective(heads, cfg.loss, logit_transform(target.config), across_processes=processes > 1)
 
 
 def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
@@ -264,7 +267,10 @@ def setup_dataloaders(cfg: Config, accelerator, train_ds, eval_ds, pad_token_id:
     per_process = cfg.train.batch_size // accelerator.num_processes
     fn = partial(collate, pad_token_id=pad_token_id)
     if cfg.data.group_by_length:  # batches of rows of similar length (data.group_by_length)
-        sampler = LengthGroupedSampler(row_lengths(train_ds), per_process, cfg.train.seed)
+        # grouped by the rows of a whole step, which are the same on any number of processes: a run resumed on
+        # another number of them takes the rows the uninterrupted run would have
+        sampler = LengthGroupedSampler(row_lengths(train_ds), cfg.train.batch_size * cfg.train.grad_accum,
+                                       cfg.train.seed)
         train_dl = DataLoader(train_ds, batch_size=per_process, sampler=sampler, collate_fn=fn, drop_last=False)
     else:
         train_dl = DataLoader(train_ds, batch_size=per_process, shuffle=True, collate_fn=fn, drop_last=False)
