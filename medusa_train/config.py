@@ -152,8 +152,9 @@ class DataConfig:
     """Rows that cannot be trained on (no assistant reply, a reply beyond max_length, an empty document...) are
     dropped and reported with their reasons; more than this fraction of them is an error (1: never)."""
     group_by_length: bool = False
-    """Batches of rows of similar length: each epoch's shuffled order is cut into spans of 64 batches, each span
-    sorted by length into batches, and the batches shuffled again, so a batch pads its rows to a length near their own
+    """Batches of rows of similar length: each epoch's shuffled order is cut into spans of 64 steps' rows, each span
+    sorted by length into steps (batch_size x grad_accum rows, cut into the processes' batches in order), and the steps
+    shuffled again, so a batch pads its rows to a length near their own; the order does not depend on the process count
     (batches of 8 Alpaca rows: 53% padding at random, 3% grouped; docs/results.md, "Batches of rows of similar
     length"). False: batches of random rows, the order of every run before it."""
 

@@ -145,20 +145,22 @@ def test_fp16_mixed_precision_is_refused_before_the_model_loads(ws, tmp_path):
 
 @pytest.mark.parametrize("first, then, grouped", [(2, 1, "true"), (1, 2, "false")])
 def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then, grouped):
-    """A job resized between a checkpoint and its resume (train.batch_size is global, so the recipe is unchanged):
-    the resumed run takes the rows the uninterrupted run would have taken, in the same order, and ends with its heads;
-    it says it was resized. And a run on the other number of processes from the start ends with the same heads too:
-    each supervised position weighs the same whichever process holds it."""
+    """A job resized between a checkpoint and its resume, with each process's forward taking the rows one took before
+    (2 processes at train.batch_size=4 <-> 1 process at batch_size 2 and grad_accum 2: the same 4 rows a step): the
+    resumed run takes the rows the uninterrupted run would have taken, in the same order (shuffled, or grouped by
+    length), and ends with its heads; it says it was resized. Resized with the recipe unchanged, it says how to keep
+    the steps the same."""
     from runs import read_jsonl
     from safetensors.torch import load_file
 
+    split = {2: ["train.batch_size=4", "train.grad_accum=1"], 1: ["train.batch_size=2", "train.grad_accum=2"]}
     args = [str(ws / "base.yaml"), "train.max_steps=12", "train.save_every=6", "train.keep_best=last",
             f"data.group_by_length={grouped}"]
 
-    def run(processes: int, out: Path) -> subprocess.CompletedProcess:
+    def run(processes: int, out: Path, *more: str) -> subprocess.CompletedProcess:
         if processes == 2:
-            return torchrun_train(args, out, timeout=120)
-        return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"output_dir={out}"],
+            return torchrun_train([*args, *split[2], *more], out, timeout=120)
+        return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, *split[1], *more, f"output_dir={out}"],
                               capture_output=True, text=True, env=ENV, timeout=120)
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -167,14 +169,25 @@ def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then,
     shutil.copytree(whole / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
     again = run(then, resumed)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resume: the checkpoint was written by {first} process" in again.stdout
+    assert (f"resume: the checkpoint was written by {first} process{'es' if first > 1 else ''}, this run has {then}: "
+            "the same rows a step, in the same order, split as before") in again.stdout
     assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r] == list(range(7, 13))
-    other = run(then, tmp_path / "other")
-    assert other.returncode == 0, other.stderr[-3000:]
-    for d in (resumed, tmp_path / "other"):
-        a, b = (load_file(str(p / "model.safetensors")) for p in (whole, d))
-        assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6, d
+    a, b = (load_file(str(d / "model.safetensors")) for d in (whole, resumed))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6
+    if first == 2:  # the recipe unchanged on 1 process: allowed, and told how to keep the very same steps
+        plain = tmp_path / "plain"
+        shutil.copytree(whole / "checkpoints" / "step-6", plain / "checkpoints" / "step-6")
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, *split[2], f"output_dir={plain}"],
+                              capture_output=True, text=True, env=ENV, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("each forward now takes 4 rows instead of 2, which weighs a step's positions a little differently "
+                "(a forward averages over its own positions); for the very same steps, resume with "
+                "train.batch_size=2 train.grad_accum=2") in proc.stdout
 
+        def tokens(d: Path) -> list[int]:  # the real tokens each step took: which rows it took, when lengths differ
+            rows = [r for r in read_jsonl(d / "metrics.jsonl") if "train/loss" in r]
+            return [b["train/tokens"] - a["train/tokens"] for a, b in zip(rows, rows[1:])][-5:]
+        assert tokens(plain) == tokens(whole) and len(set(tokens(whole))) > 1  # the same rows a step, in order
 
 def test_processes_that_do_not_share_output_dir_are_refused_in_one_line(tmp_path, monkeypatch):
     """Two processes (threads here, with a barrier for the collectives): one output_dir seen by both passes; a

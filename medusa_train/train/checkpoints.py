@@ -175,13 +175,35 @@ def check_resumable(cfg: Config, ckpt: Path) -> list[str]:
         return []
     flat_saved, flat_now = _flatten(yaml.safe_load(saved_path.read_text()) or {}), _flatten(cfg.to_dict())
     changed = [k for k in flat_now if k in flat_saved and flat_saved[k] != flat_now[k]]
+    resized = _same_steps_on_other_processes(ckpt, flat_saved, flat_now)
     refused = [k for k in changed if not any(k == a or (a.endswith(".") and k.startswith(a))
-                                            for a in RESUMABLE_CHANGES)]
+                                            for a in RESUMABLE_CHANGES) and not (resized and k in SPLIT_KEYS)]
     if refused:
         diffs = "; ".join(f"{k}={flat_now[k]!r} (the checkpoint has {flat_saved[k]!r})" for k in refused)
         raise ConfigError(f"resume: {ckpt} was trained with other settings: {diffs}. Resume with the checkpoint's "
                           f"values, or start a new run: resume=none (from trained heads: heads.init_from=DIR)")
     return [f"{k}: {flat_saved[k]!r} -> {flat_now[k]!r}" for k in changed]
+
+
+SPLIT_KEYS = ("train.batch_size", "train.grad_accum")
+
+
+def processes_of(ckpt: Path) -> int:
+    """How many processes wrote a checkpoint (Accelerate saves one RNG state a process); 0 if it cannot tell."""
+    return len(list(Path(ckpt).glob("random_states_*.pkl")))
+
+
+def _same_steps_on_other_processes(ckpt: Path, saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether this run, on another number of processes, splits each step as the checkpoint's run did: the same rows
+    a step (batch_size x grad_accum) and the same rows a forward on each process (batch_size / processes), so its
+    steps are the checkpoint run's steps (e.g. 2 processes at batch_size 4 -> 1 process at batch_size 2, grad_accum
+    2)."""
+    before, after = processes_of(ckpt), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        b0, g0, b1, g1 = (int(d[k]) for d in (saved, now) for k in SPLIT_KEYS)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return before > 0 and b0 * g0 == b1 * g1 and b0 * after == b1 * before
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -199,12 +221,26 @@ def resume(run, ckpt: Path | None) -> None:
     if ckpt is None:
         return
     run.accelerator.load_state(str(ckpt))  # each process's RNG where the checkpoint has one (fewer processes: not all)
-    written_by, now = len(list(ckpt.glob("random_states_*.pkl"))), run.accelerator.num_processes
-    if written_by and written_by != now:  # the data order and each step's rows do not depend on the process count
-        run.accelerator.print(f"resume: the checkpoint was written by {written_by} process"
-                              f"{'es' if written_by > 1 else ''}, this run has {now}: it goes on with the same rows "
-                              "a step (train.batch_size counts them over all processes), in the same order")
     run.position = json.loads((ckpt / TRAINER_STATE).read_text())
+    saved = yaml.safe_load((ckpt / RECIPE_NAME).read_text()) if (ckpt / RECIPE_NAME).is_file() else {}
+    old_accum, cfg = int((saved.get("train") or {}).get("grad_accum", run.cfg.train.grad_accum)), run.cfg
+    if old_accum != cfg.train.grad_accum:  # the position counts a process's micro-batches: the same steps, re-counted
+        run.position["batch_in_epoch"] = run.position["batch_in_epoch"] // old_accum * cfg.train.grad_accum
+    written_by, now = processes_of(ckpt), run.accelerator.num_processes
+    if written_by and written_by != now:  # the data order and each step's rows do not depend on the process count
+        old_batch = int((saved.get("train") or {}).get("batch_size", cfg.train.batch_size))
+        same = old_batch * now == cfg.train.batch_size * written_by
+        rows, batch = old_batch * old_accum, old_batch * now // written_by  # a step's rows; a split that keeps both
+        fix = (f"resume with train.batch_size={batch} train.grad_accum={rows // batch}"
+               if batch and (old_batch * now) % written_by == 0 and rows % batch == 0
+               else f"no split of {rows} rows a step over {now} processes does")
+        run.accelerator.print(
+            f"resume: the checkpoint was written by {written_by} process{'es' if written_by > 1 else ''}, this run has "
+            f"{now}: the same rows a step, in the same order" + (
+                ", split as before (each process's forward takes the rows one took), so the same steps" if same else
+                f"; each forward now takes {cfg.train.batch_size // now} rows instead of {old_batch // written_by}, "
+                "which weighs a step's positions a little differently (a forward averages over its own positions); "
+                f"for the very same steps, {fix}"))
     p = run.position
     metrics = Path(run.cfg.output_dir) / METRICS_NAME
     if run.accelerator.is_main_process and metrics.is_file():  # rows logged after the checkpoint are logged again

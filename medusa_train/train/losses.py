@@ -176,26 +176,10 @@ def hand_over(loss: torch.Tensor, weights: list[torch.Tensor], buffers: dict[int
     return loss
 
 
-def position_weights(valid: torch.Tensor, decay: float, across_processes: bool = False) -> torch.Tensor:
-    """[K, B, T] weights of head k's supervised positions: decay**k / the positions head k supervises. With
-    `across_processes` (data parallel: the processes' gradients are averaged), the count is the micro-step's over every
-    process and the weights are multiplied by their number, so each supervised position weighs the same whichever
-    process holds it: the step is the one a single process would take on the same rows (one small all-reduce, on
-    the device, no host sync)."""
-    K = valid.shape[0]
-    counts = valid.sum(dim=(1, 2)).float()  # [K]; stays on device
-    scale = 1.0
-    if across_processes:
-        torch.distributed.all_reduce(counts)
-        scale = float(torch.distributed.get_world_size())
-    factors = torch.tensor([scale * decay ** k for k in range(K)], device=valid.device)
-    return valid.float() * (factors / counts.clamp_min(1)).view(K, 1, 1)
-
-
 def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, greedy: torch.Tensor,
                         input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                        lm_head: nn.Module | None, cfg: LossConfig, transform: LogitTransform | None = None,
-                        across_processes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        lm_head: nn.Module | None, cfg: LossConfig, transform: LogitTransform | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Total loss (a scalar) and per-head statistics [K, len(STATS)] (sums; see `STATS`).
 
     states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states and greedy
@@ -205,12 +189,14 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     scored vocabulary only (a draft vocabulary's columns), and shared by all heads; each head's vocab-sized
     tensors exist only inside its `FusedHeadLoss` call. Accuracies compare against the greedy tokens. `transform`:
     the target's final-logit transform (`medusa_train.target.model.logit_transform`), applied to teacher and heads
-    alike. `across_processes`: see `position_weights`.
+    alike.
     """
     K, B, T, d = states.shape
     target_ids, valid = head_targets(input_ids, labels, attention_mask, K)  # [K, B, T]
     target_idx = draft_index(heads, target_ids)
-    pos_weight = position_weights(valid, cfg.decay, across_processes)  # [K, B, T]
+    counts = valid.sum(dim=(1, 2)).float()  # [K]; stays on device
+    decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
+    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     # position u of these holds u+1's: the target's state and greedy token one ahead, padded for the last
     # chunk's heads (head k at position t reads the teacher at t+1+k)
     h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, d)], dim=1)
@@ -274,8 +260,7 @@ def _head_chunk(heads: DraftHeads, k: int, s: torch.Tensor, w: torch.Tensor, tea
 def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
                          h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                          attention_mask: torch.Tensor | None, lm_head: nn.Module, cfg: LossConfig,
-                         transform: LogitTransform | None = None, across_processes: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_head_losses` for states at some positions only: states [K, B, N, d] at positions `anchors` [B, N]
     (`anchor_valid` marks real ones), as dflash trains (`medusa_train.kinds.dflash`). Head k at position t is scored as
     there (data token x_{t+2+k}, the target's distribution at t+1+k, weight decay**k over its supervised positions);
@@ -287,7 +272,9 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
     target_ids = ids_k.gather(2, gather)  # [K, B, N]
     valid = valid_k.gather(2, gather) & anchor_valid[None]
     target_idx = draft_index(heads, target_ids)
-    pos_weight = position_weights(valid, cfg.decay, across_processes)
+    counts = valid.sum(dim=(1, 2)).float()
+    decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
+    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)
     teacher_at = (anchors[None] + 1 + torch.arange(K, device=anchors.device).view(K, 1, 1)).clamp_max(T - 1)
     teacher_w = teacher_b = None
     if heads.spec.draft_vocab_size:  # the teacher's rows: the target's LM head over the draft vocabulary, gathered once
@@ -326,13 +313,11 @@ class HeadsObjective(nn.Module):
     checkpoints and optimizers hold head parameters only.
     """
 
-    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None,
-                 across_processes: bool = False):
+    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None):
         super().__init__()
         self.heads = heads
         self.cfg = cfg
         self.transform = transform  # the target's final-logit transform (None: the identity)
-        self.across_processes = across_processes  # data parallel: positions weighed over every process's rows
 
     def forward(self, h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
@@ -348,9 +333,9 @@ class HeadsObjective(nn.Module):
         h = h[..., :self.heads.spec.hidden_size]  # the teacher reads h_t
         if positions is not None:
             return anchored_head_losses(self.heads, states, positions, valid, h, greedy, input_ids, labels,
-                                        attention_mask, lm_head, self.cfg, self.transform, self.across_processes)
+                                        attention_mask, lm_head, self.cfg, self.transform)
         return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,
-                                   self.cfg, self.transform, self.across_processes)
+                                   self.cfg, self.transform)
 
 
 def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:

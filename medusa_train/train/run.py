@@ -166,7 +166,7 @@ def setup(cfg: Config) -> Run:
     if len(states):
         accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
 
-    objective = make_objective(cfg, heads, target, peft, accelerator.num_processes)
+    objective = make_objective(cfg, heads, target, peft)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
     # prepare() shards batches across processes (padded to equal length): batches per process per epoch
     steps_per_epoch = math.ceil(math.ceil(len(train_dl) / accelerator.num_processes) / cfg.train.grad_accum)
@@ -184,13 +184,12 @@ def setup(cfg: Config) -> Run:
     return run
 
 
-def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None,
-                   processes: int = 1) -> torch.nn.Module:
-    """What a training step runs: the heads and their loss (`HeadsObjective`; over several processes each supervised
-    position weighs the same whichever process holds it), or with `peft` the adapted target too (`JointObjective`)."""
+def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None) -> torch.nn.Module:
+    """What a training step runs: the heads and their loss (`HeadsObjective`), or with `peft` the adapted target too
+    (`JointObjective`)."""
     if peft is not None:
         return JointObjective(heads, peft, cfg.loss)
-    return HeadsObjective(heads, cfg.loss, logit_transform(target.config), across_processes=processes > 1)
+    return HeadsObjective(heads, cfg.loss, logit_transform(target.config))
 
 
 def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:
