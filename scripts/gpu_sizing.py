@@ -46,20 +46,16 @@ def count(shape: str, kind: str, rows: int, tokens: int) -> dict:
 
     import medusa_train.kinds.attention as attention
     from medusa_train.config import LossConfig, load_config
-    from medusa_train.kinds.heads import DraftHeads, HeadsSpec, kind_class
+    from medusa_train.kinds.heads import DraftHeads
     from medusa_train.train.losses import HeadsObjective
+    from medusa_train.train.preflight import heads_spec
 
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
     cfg = load_config(str(ROOT / "recipes" / "llama-3.1-8b-instruct.yaml"),
                       [f"heads.kind={kind}", f"heads.num_heads={STEPS[kind]}", "eval.tau_every=0"], world_size=1)
-    kinds = kind_class(kind)
-    options = kinds.resolve(kinds.options_from(cfg.heads), config)
-    spec = HeadsSpec(kind=kind, num_heads=STEPS[kind], hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                     draft_vocab_size=cfg.heads.draft_vocab(config.vocab_size),
-                     layer_config=kinds.layer_config(options, config), options=options)
     with torch.device("meta"):
         target = LlamaForCausalLM(config).to(torch.bfloat16)
-        heads = DraftHeads(spec)
+        heads = DraftHeads(heads_spec(cfg, config))
     attention.MODE = "chunked"  # what a GPU runs
     width = config.hidden_size * (1 + len(heads.target_layers))
     h = torch.empty(rows, tokens, width, device="meta")

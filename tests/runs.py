@@ -15,6 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the cat sat on a mat and then it ran to see the dog who was very happy about it".split()
 
 
+def max_diff(a: Path, b: Path) -> float:
+    """The largest difference between two heads directories' weights (the same tensors in both)."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if wa[k].numel())
+
+
 def config(ws: Path, out: str, *overrides: str):
     """The workspace's `base.yaml` with `output_dir=ws/out` and the overrides, for one process."""
     from medusa_train.config import load_config

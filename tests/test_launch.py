@@ -108,8 +108,7 @@ def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target
     """Under DDP the second epoch's shuffle hands each process rows the other one computed: with the cache (on disk in
     output_dir/hidden-cache, shared), that epoch reads every row from it and the target never runs; the heads equal a
     run without the cache."""
-    from runs import read_jsonl
-    from safetensors.torch import load_file
+    from runs import max_diff, read_jsonl
 
     args = [str(ws / "base.yaml"), "train.epochs=2", "train.keep_best=last"]
     cached = torchrun_train([*args, "train.cache_hidden=true"], tmp_path / "cached", timeout=120)
@@ -125,8 +124,7 @@ def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target
     assert rows[-1]["train/rows_from_cache"] - first[-1]["train/rows_from_cache"] >= computed
     plain = torchrun_train(args, tmp_path / "plain", timeout=120)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cached", "plain"))
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6
+    assert max_diff(tmp_path / "cached", tmp_path / "plain") <= 1e-6
 
 
 def test_fp16_mixed_precision_is_refused_before_the_model_loads(ws, tmp_path):
@@ -150,8 +148,7 @@ def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then,
     resumed run takes the rows the uninterrupted run would have taken, in the same order (shuffled, or grouped by
     length), and ends with its heads; it says it was resized. Resized with the recipe unchanged, it says how to keep
     the steps the same."""
-    from runs import read_jsonl
-    from safetensors.torch import load_file
+    from runs import max_diff, read_jsonl
 
     split = {2: ["train.batch_size=4", "train.grad_accum=1"], 1: ["train.batch_size=2", "train.grad_accum=2"]}
     args = [str(ws / "base.yaml"), "train.max_steps=12", "train.save_every=6", "train.keep_best=last",
@@ -172,8 +169,7 @@ def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then,
     assert (f"resume: the checkpoint was written by {first} process{'es' if first > 1 else ''}, this run has {then}: "
             "the same rows a step, in the same order, split as before") in again.stdout
     assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r] == list(range(7, 13))
-    a, b = (load_file(str(d / "model.safetensors")) for d in (whole, resumed))
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) <= 1e-6
+    assert max_diff(whole, resumed) <= 1e-6
     if first == 2:  # the recipe unchanged on 1 process: allowed, and told how to keep the very same steps
         plain = tmp_path / "plain"
         shutil.copytree(whole / "checkpoints" / "step-6", plain / "checkpoints" / "step-6")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import ROOT, launch_twice, read_jsonl, write_text_data
+from runs import ROOT, launch_twice, max_diff, read_jsonl, write_text_data
 from safetensors.torch import load_file
 
 ENV = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -59,12 +59,6 @@ def one_process(ws: Path, out: Path, *args: str) -> None:
            *args, f"output_dir={out}"]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def max_diff(a: Path, b: Path) -> float:
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if wa[k].numel())
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHERS))

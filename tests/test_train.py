@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import ROOT, config, read_jsonl, torchrun_train, write_text_data
+from runs import ROOT, config, max_diff, read_jsonl, torchrun_train, write_text_data
 from safetensors.torch import load_file
 
 from medusa_train.config import load_config
@@ -42,12 +42,6 @@ def ws(tmp_path_factory) -> Path:
         "loss: {distill_weight: 1.0, ce_weight: 0.5, chunk_size: 32}\n"
         "eval: {max_batches: 2}\n")
     return root
-
-
-def max_diff(a: Path, b: Path) -> float:
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa if wa[k].numel())
 
 
 @pytest.fixture(scope="module")

@@ -226,9 +226,7 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
     from transformers import AutoModelForCausalLM
 
     check_hub_reachable(cfg.model, filename=cfg.gguf_file)
-    kw = _common_kwargs(cfg) | {"dtype": dtype or resolve_dtype(cfg.dtype, device)}
-    if cfg.attn_implementation:
-        kw["attn_implementation"] = cfg.attn_implementation
+    kw = _common_kwargs(cfg) | _build_kwargs(cfg, dtype or resolve_dtype(cfg.dtype, device))
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw)
     except (OSError, ValueError) as e:
@@ -242,6 +240,11 @@ def load_model(cfg: TargetConfig, device: torch.device | str = "cpu", dtype: tor
     return model
 
 
+def _build_kwargs(cfg: TargetConfig, dtype: torch.dtype) -> dict:
+    """How the target's modules are built, loaded (`load_model`) or empty (`model_skeleton`): alike."""
+    return {"dtype": dtype} | ({"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {})
+
+
 def model_skeleton(cfg: TargetConfig, dtype: torch.dtype) -> nn.Module:
     """The target's modules with no weights (every tensor on the meta device), frozen: what a process builds when
     another one reads the checkpoint and sends it its share (`sharding.shard_target(..., from_main=True)`)."""
@@ -252,11 +255,9 @@ def model_skeleton(cfg: TargetConfig, dtype: torch.dtype) -> nn.Module:
         config = AutoConfig.from_pretrained(cfg.model, **_common_kwargs(cfg))
     except (OSError, ValueError) as e:
         raise _load_error(cfg, "model", e) from None
-    kw = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
-    if cfg.attn_implementation:
-        kw["attn_implementation"] = cfg.attn_implementation
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **kw)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code,
+                                                 **_build_kwargs(cfg, dtype))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -62,17 +62,21 @@ def check_target_supported(cfg: Config, config) -> None:
     kind.check_target(kind.options_from(cfg.heads), config, cfg.target.trust_remote_code)
 
 
-def head_parameters(cfg: Config, text) -> int:
-    """How many parameters the recipe's heads have for a target of config `text`, counted on heads built on the
-    meta device (no memory)."""
+def heads_spec(cfg: Config, text) -> HeadsSpec:
+    """The spec of the recipe's heads for a target of config `text`, before any weight loads."""
     h = cfg.heads
     kind = kind_class(h.kind)
     options = kind.resolve(kind.options_from(h), text)  # no embedding yet: placeholders of the same size
-    spec = HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
+    return HeadsSpec(kind=h.kind, num_heads=h.num_heads, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                      draft_vocab_size=h.draft_vocab(text.vocab_size), layer_config=kind.layer_config(options, text),
                      options=options)
+
+
+def head_parameters(cfg: Config, text) -> int:
+    """How many parameters the recipe's heads have for a target of config `text`, counted on heads built on the
+    meta device (no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in DraftHeads(spec).parameters())
+        return sum(p.numel() for p in DraftHeads(heads_spec(cfg, text)).parameters())
 
 
 def check_before_loading(cfg: Config) -> None:

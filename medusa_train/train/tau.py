@@ -35,21 +35,21 @@ def tau_prompt_ids(cfg: Config, tokenizer, eval_ds) -> list[list[int]]:
     e = cfg.eval
     out: list[list[int]] = []
     if e.tau_prompts:
-        seen, too_long = 0, []
+        too_long = []
         for p in load_prompts(e.tau_prompts):
             ids = (render_prompt(tokenizer, p.text) if getattr(tokenizer, "chat_template", None)
                    else tokenizer(p.text)["input_ids"])
-            seen += 1
             if len(ids) >= cfg.data.max_length:
                 too_long.append(len(ids))
             elif ids not in out:
                 out.append(ids)
             if len(out) == e.tau_num_prompts:
                 break
-        if not out and too_long:
-            raise ConfigError(f"eval.tau_prompts={e.tau_prompts}: all {seen} prompts are dropped, each at least "
-                              f"data.max_length={cfg.data.max_length} tokens long with its chat template (the shortest "
-                              f"{min(too_long)}): raise data.max_length above {min(too_long)}, or give shorter prompts")
+        if not out and too_long:  # then every prompt was too long
+            raise ConfigError(f"eval.tau_prompts={e.tau_prompts}: all {len(too_long)} prompts are dropped, each at "
+                              f"least data.max_length={cfg.data.max_length} tokens long with its chat template (the "
+                              f"shortest {min(too_long)}): raise data.max_length above {min(too_long)}, or give "
+                              "shorter prompts")
         return out
     for row in eval_ds if eval_ds is not None else []:
         ids, labels = list(row["input_ids"]), list(row["labels"])
