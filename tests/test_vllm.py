@@ -80,12 +80,14 @@ def vllm_venv() -> Path:
     return where
 
 
-def serve(venv: Path, runs: list[dict], work: Path) -> list[dict]:
-    """Each run through vLLM (`vllm_check.py`): its outputs and counters, or {"error": ...}."""
+def serve(venv: Path, runs: list[dict], work: Path, site: Path | None = None) -> list[dict]:
+    """Each run through vLLM (`vllm_check.py`): its outputs and counters, or {"error": ...}. `site`: a folder our
+    package is installed in (`plugin_site`), on vLLM's path so that its plugin loads."""
     spec = work / f"runs-{len(list(work.glob('runs-*.json')))}.json"
     spec.write_text(json.dumps(runs))
+    env = vllm_env(venv) | ({"PYTHONPATH": str(site)} if site else {})
     proc = subprocess.run([str(venv / "bin" / "python"), str(ROOT / "tests" / "vllm_check.py"), str(spec)],
-                          env=vllm_env(venv), capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=1800)
     results = [json.loads(line.removeprefix("VLLM_CHECK ")) for line in proc.stdout.splitlines()
                if line.startswith("VLLM_CHECK ")]
     assert len(results) == len(runs), f"vLLM stopped (exit {proc.returncode}): {proc.stderr[-3000:]}"
@@ -149,7 +151,7 @@ def replay(target, heads_dir: Path, prompt: list[int], seq: list[int], max_token
     drafter = HeadsDrafter(heads, target)
     ids = torch.tensor(seq)
     with torch.inference_mode():
-        feats = target_hidden(target, ids[None], None, heads.spec.aux_layers)[0]
+        feats = target_hidden(target, ids[None], None, heads.target_layers)[0]
         p = len(prompt)
         drafter.reset()
         drafter.observe(feats[:p], ids[1:p + 1])
@@ -170,24 +172,26 @@ def replay(target, heads_dir: Path, prompt: list[int], seq: list[int], max_token
             "num_accepted_tokens_per_pos": per_pos}
 
 
-def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
+def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]],
+             max_tokens: int = MAX_TOKENS) -> dict:
     """`replay` summed over the requests, as vLLM's counters sum them."""
-    runs = [replay(target, heads_dir, p, p + c, MAX_TOKENS, K) for p, c in zip(prompts, continuations)]
+    runs = [replay(target, heads_dir, p, p + c, max_tokens, K) for p, c in zip(prompts, continuations)]
     total = {key: sum(r[key] for r in runs) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     return total | {
         "num_accepted_tokens_per_pos": [sum(r["num_accepted_tokens_per_pos"][i] for r in runs) for i in range(K)]}
 
 
-def served_as_drafted(result: dict, target, heads_dir: Path, prompts, longer) -> str | None:
+def served_as_drafted(result: dict, target, heads_dir: Path, prompts, longer, max_tokens: int = MAX_TOKENS
+                      ) -> str | None:
     """None when vLLM served the export as our drafter drafts (its counters equal the replay's) and kept the
     target's greedy output; else what differs."""
     if "error" in result:
         return f"vLLM refused the export: {result['error']}"
-    if result["outputs"] != [c[:MAX_TOKENS] for c in longer]:
+    if result["outputs"] != [c[:max_tokens] for c in longer]:
         return "the output is not the target's greedy output"
     counted = {k: result["spec_decode"].get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                                          "num_accepted_tokens_per_pos")}
-    want = replayed(target, heads_dir, prompts, longer)
+    want = replayed(target, heads_dir, prompts, longer, max_tokens)
     return None if counted == want else f"vLLM counted {counted}, our drafter {want}"
 
 
@@ -393,3 +397,216 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
     print("vLLM against our replay:", served_as_drafted(served, target, heads_dir, prompts, longer))
     for name, result in zip(("shifted", "masked"), planted):
         assert "error" in result or result["spec_decode"] != served["spec_decode"], name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chained and parallel heads, served through our plugin (inference/vllm_plugin.py)
+
+
+def install_project(venv: Path, where: Path) -> Path:
+    """The project installed as a user installs it into vLLM's venv (`pip install --no-deps`, which registers the
+    plugin's entry point), here into a folder of its own (`--target`) put on vLLM's path: `where/site`."""
+    src = where / "src"
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    for package in ("medusa_train", "inference"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--no-build-isolation", "--target", str(where / "site"), str(src)], check=True,
+                   env=vllm_env(venv))
+    return where / "site"
+
+
+@pytest.fixture(scope="module")
+def plugin_site(vllm_venv, tmp_path_factory) -> Path:
+    return install_project(vllm_venv, tmp_path_factory.mktemp("plugin"))
+
+
+SERVED_HEADS = {  # the arch, and the recipe's heads mapping
+    "llama, residual block, draft vocabulary": ("llama", "{kind: chained, num_heads: 3, context_layers: 0, "
+                                                         "draft_vocab_size: 128}"),
+    "qwen2, mlp_speculator block": ("qwen2", "{kind: chained, block: mlp_speculator, num_heads: 3, context_layers: 0}"),
+    "llama, parallel": ("llama", "{kind: parallel, num_heads: 3, context_layers: 0}"),
+}
+
+
+_TRAINED: dict[str, tuple] = {}
+
+
+def trained_heads(name: str, tmp_path_factory) -> tuple[Path, object, list[list[int]], Path]:
+    """(work dir, target, held-out prompts, heads dir): SERVED_HEADS[name] trained by `train.py`, once a session."""
+    if name not in _TRAINED:
+        arch, heads = SERVED_HEADS[name]
+        root = tmp_path_factory.mktemp(f"vllm-chain-{list(SERVED_HEADS).index(name)}")
+        _TRAINED[name] = train_tiny(root, arch, heads, "lr: 3.0e-3, max_steps: 160")
+    return _TRAINED[name]
+
+
+@pytest.fixture(params=list(SERVED_HEADS))
+def trained_chain(request, tmp_path_factory):
+    return trained_heads(request.param, tmp_path_factory)
+
+
+def test_vllm_serves_chained_and_parallel_heads_through_the_plugin(trained_chain, vllm_venv, plugin_site, tmp_path):
+    """`"method": "medusa_train"` with the heads directory train.py wrote: vLLM's greedy output is the target's, at
+    batch 1 and with the four prompts (of different lengths) in one batch, and vLLM's accept counts at each position
+    equal our drafter's replay of its chains on the same tokens; sampling at 0.8 runs."""
+    from archs import greedy_reference
+
+    root, target, prompts, heads_dir = trained_chain
+    assert len({len(p) for p in prompts}) > 1
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir)}
+    plain_long, one, batched, sampled = serve(vllm_venv, [
+        base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
+        base,
+        base | {"max_num_seqs": 4},
+        base | {"temperature": 0.8, "seed": 3, "max_num_seqs": 4},
+    ], tmp_path, plugin_site)
+    longer = plain_long["outputs"]
+    assert longer == [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
+    assert served_as_drafted(one, target, heads_dir, prompts, longer) is None
+    assert one["spec_decode"]["num_accepted_tokens"] > 0  # trained heads: vLLM accepts their drafts
+    assert served_as_drafted(batched, target, heads_dir, prompts, longer) is None
+    assert "error" not in sampled and all(len(o) == MAX_TOKENS for o in sampled["outputs"])
+    assert sampled["spec_decode"]["num_drafts"] > 0
+
+
+PLUGIN_PLANTS = {  # a bug in the plugin: (the line as written, the line planted)
+    "the row one position off": ("rows.append(offset + len(tokens) - 1)", "rows.append(offset + len(tokens) - 2)"),
+    "the token fed one step late": ("s = heads.step(k, s, token, self._embed)",
+                                    "s = heads.step(k, s, drafts[-2] if len(drafts) > 1 else last, self._embed)"),
+    "a head skipped": ("s = heads.step(k, s, token, self._embed)",
+                       "s = heads.step(min(k + 1, n - 1), s, token, self._embed)"),
+}
+
+
+def test_a_broken_plugin_fails_the_check(vllm_venv, plugin_site, tmp_path, tmp_path_factory):
+    """Each planted plugin bug changes what vLLM drafts for the Llama's chained heads: counters our drafter does not
+    reproduce."""
+    root, target, prompts, heads_dir = trained_heads(next(iter(SERVED_HEADS)), tmp_path_factory)
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir)}
+    (plain_long,) = serve(vllm_venv, [base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1}], tmp_path)
+    for name, (line, planted) in PLUGIN_PLANTS.items():
+        site = tmp_path / name.replace(" ", "-")
+        shutil.copytree(plugin_site, site)
+        source = site / "inference" / "vllm_plugin.py"
+        text = source.read_text()
+        assert text.count(line) == 1, name  # the plant still finds its line
+        source.write_text(text.replace(line, planted))
+        (result,) = serve(vllm_venv, [base], tmp_path, site)
+        assert served_as_drafted(result, target, heads_dir, prompts, plain_long["outputs"]) is not None, name
+
+
+def test_vllm_refuses_heads_the_plugin_cannot_serve_in_one_line(vllm_venv, plugin_site, tmp_path):
+    """Heads of another kind, with a context encoder, for another target, or more tokens than heads: vLLM stops
+    before loading anything, with our one-line reason."""
+    target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
+    other = save_tiny(tmp_path / "other", "llama", hidden=128, layers=2, seed=1)
+    DraftHeads.for_target(target, "eagle3", num_heads=K, context_layers=0).save_pretrained(tmp_path / "eagle3")
+    DraftHeads.for_target(target, "chained", num_heads=K, context_layers=1).save_pretrained(tmp_path / "context")
+    DraftHeads.for_target(other, "chained", num_heads=K).save_pretrained(tmp_path / "other-heads")
+    DraftHeads.for_target(target, "chained", num_heads=K).save_pretrained(tmp_path / "good")
+    base = {"target": str(tmp_path / "target"), "prompts": [[1, 2, 3]], "max_tokens": 4, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "medusa_train"}
+    cases = {"eagle3": "which vLLM serves with its own method", "context": "heads.context_layers=0",
+             "other-heads": "trained for a target of hidden size 128", "good": "these heads draft 1 to 3"}
+    results = serve(vllm_venv, [base | {"draft": str(tmp_path / name)} | (
+        {"num_speculative_tokens": K + 1} if name == "good" else {}) for name in cases], tmp_path, plugin_site)
+    for (name, phrase), result in zip(cases.items(), results):
+        assert phrase in result.get("error", ""), (name, result)
+
+
+VLLM_NEXT = "0.33.0"  # no CPU build: its source is read, not run
+CONTRACT_FILES = ("vllm/v1/worker/gpu_model_runner.py", "vllm/engine/arg_utils.py", "vllm/config/speculative.py",
+                  "vllm/v1/spec_decode/custom_class_proposer.py")
+
+
+@pytest.fixture(scope="session")
+def vllm_next_src() -> Path:
+    """The few source files of vLLM 0.33.0 the plugin relies on, from its wheel (downloaded once, nothing imported)."""
+    import zipfile
+
+    where = cache_root() / f"vllm-{VLLM_NEXT}-source"
+    if all((where / name).exists() for name in CONTRACT_FILES):
+        return where
+    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--only-binary", ":all:", "--dest", str(staging / "wheel"), f"vllm=={VLLM_NEXT}"], check=True)
+        (wheel,) = (staging / "wheel").glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for name in CONTRACT_FILES:
+                z.extract(name, staging)
+        shutil.rmtree(staging / "wheel")
+        shutil.rmtree(where, ignore_errors=True)
+        os.replace(staging, where)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return where
+
+
+def plugin_contract(site: Path) -> list[str]:
+    """What the plugin relies on in vLLM's source under `site` (the folder holding `vllm/`), each missing piece named:
+    the runner method it wraps takes the arguments it reads, the custom_class proposer is built through the module-level
+    name it replaces and gets `load_model(target)`, and the front end builds the speculative config where it translates
+    ours. An empty list: the contract holds."""
+    import ast
+
+    from inference.vllm_plugin import RUNNER_ARGS
+
+    def tree(name: str) -> ast.Module:
+        return ast.parse((site / name).read_text())
+
+    def function(module: ast.Module, cls: str, name: str) -> ast.FunctionDef | None:
+        owner = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        return next((n for n in (owner.body if owner else []) if isinstance(n, ast.FunctionDef) and n.name == name),
+                    None)
+
+    missing = []
+    runner = tree(CONTRACT_FILES[0])
+    propose = function(runner, "GPUModelRunner", "propose_draft_token_ids")
+    if propose is None:
+        return ["GPUModelRunner.propose_draft_token_ids"]
+    params = [a.arg for a in propose.args.args]
+    missing += [f"propose_draft_token_ids({a})" for a in RUNNER_ARGS if a not in params]
+    source = ast.unparse(runner)
+    if "from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer" not in source:
+        missing.append("create_custom_proposer imported by name into gpu_model_runner")
+    if "self.drafter = create_custom_proposer(self.vllm_config)" not in source:
+        missing.append("self.drafter = create_custom_proposer(self.vllm_config)")
+    if "self.drafter.load_model(self.model)" not in source:
+        missing.append("self.drafter.load_model(self.model)")
+    branch = ast.unparse(propose)
+    if "spec_config.method == 'custom_class'" not in branch or "num_draft_tokens" not in branch:
+        missing.append("propose_draft_token_ids: its custom_class branch, and spec_decode_metadata.num_draft_tokens")
+    create = function(tree(CONTRACT_FILES[1]), "EngineArgs", "create_speculative_config")
+    if create is None or [a.arg for a in create.args.args] != ["self", "target_model_config", "target_parallel_config"]:
+        missing.append("EngineArgs.create_speculative_config(self, target_model_config, target_parallel_config)")
+    elif "SpeculativeConfig(**self.speculative_config)" not in ast.unparse(create):
+        missing.append("create_speculative_config building SpeculativeConfig(**self.speculative_config)")
+    if "'custom_class'" not in ast.unparse(tree(CONTRACT_FILES[2])):
+        missing.append("SpeculativeMethod 'custom_class'")
+    proposer = ast.unparse(tree(CONTRACT_FILES[3]))
+    if "def create_custom_proposer(vllm_config" not in proposer:
+        missing.append("create_custom_proposer(vllm_config)")
+    return missing
+
+
+def test_the_plugin_contract_holds_in_vllm_0_33_as_in_the_0_32_it_runs_on(vllm_venv, vllm_next_src, tmp_path):
+    """vLLM 0.33 has no CPU build, so its source is read: the same contract the plugin runs on in 0.32. What a GPU run
+    must still confirm: that 0.33's CUDA runner hands the same rows (its code is the same as 0.32's here)."""
+    where = "import vllm, os; print(os.path.dirname(os.path.dirname(vllm.__file__)))"
+    installed = Path(subprocess.run([str(vllm_venv / "bin" / "python"), "-c", where], env=vllm_env(vllm_venv),
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    assert plugin_contract(installed) == []
+    assert plugin_contract(vllm_next_src) == []
+    for name in CONTRACT_FILES:  # the checker can fail: a copy with the wrapped method's argument renamed
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(vllm_next_src / name, tmp_path / name)
+    runner = tmp_path / CONTRACT_FILES[0]
+    runner.write_text(runner.read_text().replace("sample_hidden_states: torch.Tensor,", "hidden: torch.Tensor,"))
+    assert plugin_contract(tmp_path) == ["propose_draft_token_ids(sample_hidden_states)"]
