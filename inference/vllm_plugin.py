@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 METHOD = "medusa_train"
-SERVED_KINDS = ("chained", "parallel")
 # what the runner patch reads of vLLM's `propose_draft_token_ids` (the same in 0.32 and 0.33)
 RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sample_hidden_states", "spec_decode_metadata")
 
@@ -61,14 +60,15 @@ def heads_refusal(directory: str | os.PathLike, hidden_size: int, vocab_size: in
     """(why the heads in `directory` cannot be served on a target of this hidden and vocabulary size with this many
     speculative tokens, as one line; None when they can, and their spec)."""
     import medusa_train.kinds  # noqa: F401 - registers every kind, so that their configs read
-    from medusa_train.kinds.heads import load_spec
+    from medusa_train.kinds.blocks import OnTargetHeads
+    from medusa_train.kinds.heads import kind_class, load_spec
 
     where = f"speculative_config model {directory}"
     try:
         spec = load_spec(directory)
     except (FileNotFoundError, ValueError) as e:
         return f"{where}: {e}", None
-    if spec.kind not in SERVED_KINDS:
+    if not issubclass(kind_class(spec.kind), OnTargetHeads):  # the kinds on h_t alone: chained, parallel
         return (f"{where} holds {spec.kind} heads, which vLLM serves with its own method: export them "
                 f"(python -m medusa_train.export {directory} OUT --format speculators) and serve OUT with "
                 f"\"method\": \"{spec.kind}\""), spec
