@@ -121,7 +121,8 @@ class HeadsProposer:
 
         device = next(target.parameters()).device
         self.heads = DraftHeads.from_pretrained(self.directory, device=device, dtype=self.dtype).eval()
-        self._embed = target.embed_input_ids
+        # what vLLM's own forward embeds with (a Gemma's scale included, as transformers' embedding module has it)
+        self._embed = getattr(target, "embed_input_ids", None) or target.get_input_embeddings()
         self._compute_logits = target.compute_logits
         self._weight = None
         embedding = getattr(getattr(getattr(target, "model", None), "embed_tokens", None), "weight", None)

@@ -18,18 +18,20 @@ STEPS_CHAINED=${STEPS_CHAINED:-760} STEPS_PARALLEL=${STEPS_PARALLEL:-760} STEPS_
 STEPS_DFLASH=${STEPS_DFLASH:-260}  # 0.67 s a step on 2 Xeon (AMX) cores, where eagle3's takes 0.78 and chained 0.23
 KINDS=${KINDS:-chained parallel eagle3 dflash} LIMIT=${LIMIT:-0}
 NORMS=${NORMS:-[]}
+PROMPTS=${PROMPTS:-256}  # default-pool prompts distilled (SmolLM2's replies, up to 192 tokens each)
+DTYPE=${DTYPE:-bfloat16}  # the target's dtype in distillation and training: float32 on a CPU without AVX512-BF16/AMX
 DFLASH=${DFLASH:-heads.num_heads=7 heads.layers_per_head=2}  # a block of 8, two decoder layers
 MTBENCH="$DATA/mt_bench_question.jsonl"
 T=$(python -m medusa_train.target.prepare)
 mkdir -p "$WORK"
-python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype=bfloat16 --prompts default \
-    --out "$WORK/distill-default.jsonl" --limit 256 --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
+python -m medusa_train.data.distill recipes/smollm2-135m.yaml target.model="$T" target.dtype="$DTYPE" --prompts default \
+    --out "$WORK/distill-default.jsonl" --limit "$PROMPTS" --max-new-tokens 192 --batch-size 16 --exclude "$MTBENCH"
 train() {  # kind steps [overrides]
     local out="$WORK/heads-$1"
     if [ -f "$out/acceptance.json" ]; then echo "$1 heads already in $out"; return; fi
     local t0=$SECONDS
     python -m medusa_train.train.cli recipes/smollm2-135m.yaml target.model="$T" data.dataset="$WORK/distill-default.jsonl" \
-        target.dtype=bfloat16 heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
+        target.dtype="$DTYPE" heads.kind="$1" train.max_steps="$2" heads.draft_vocab_size=4096 heads.context_layers=0 \
         train.lr=3e-3 train.batch_size=4 data.max_length=384 train.warmup_steps=$(( $2 / 20 )) train.save_every=0 \
         eval.every="$2" eval.max_batches=4 eval.tau_every=0 train.log_every=$(( $2 / 20 )) tracking.backend=none \
         output_dir="$out" ${3:-}
