@@ -172,26 +172,24 @@ def replay(target, heads_dir: Path, prompt: list[int], seq: list[int], max_token
             "num_accepted_tokens_per_pos": per_pos}
 
 
-def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]],
-             max_tokens: int = MAX_TOKENS) -> dict:
+def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
     """`replay` summed over the requests, as vLLM's counters sum them."""
-    runs = [replay(target, heads_dir, p, p + c, max_tokens, K) for p, c in zip(prompts, continuations)]
+    runs = [replay(target, heads_dir, p, p + c, MAX_TOKENS, K) for p, c in zip(prompts, continuations)]
     total = {key: sum(r[key] for r in runs) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     return total | {
         "num_accepted_tokens_per_pos": [sum(r["num_accepted_tokens_per_pos"][i] for r in runs) for i in range(K)]}
 
 
-def served_as_drafted(result: dict, target, heads_dir: Path, prompts, longer, max_tokens: int = MAX_TOKENS
-                      ) -> str | None:
+def served_as_drafted(result: dict, target, heads_dir: Path, prompts, longer) -> str | None:
     """None when vLLM served the export as our drafter drafts (its counters equal the replay's) and kept the
     target's greedy output; else what differs."""
     if "error" in result:
         return f"vLLM refused the export: {result['error']}"
-    if result["outputs"] != [c[:max_tokens] for c in longer]:
+    if result["outputs"] != [c[:MAX_TOKENS] for c in longer]:
         return "the output is not the target's greedy output"
     counted = {k: result["spec_decode"].get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                                          "num_accepted_tokens_per_pos")}
-    want = replayed(target, heads_dir, prompts, longer, max_tokens)
+    want = replayed(target, heads_dir, prompts, longer)
     return None if counted == want else f"vLLM counted {counted}, our drafter {want}"
 
 
