@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
+from wheels import wheel_source
 
 from medusa_train.export import main as export_main
-from medusa_train.base.files import cache_root
 from medusa_train.kinds.heads import DraftHeads
 
 SGLANG = "0.5.23"
@@ -34,26 +30,8 @@ NEEDED = ("sglang/srt/models/llama_eagle3.py", "sglang/srt/models/llama.py", "sg
 
 @pytest.fixture(scope="session")
 def sglang_src() -> Path:
-    """The few source files of sglang 0.5.23 this test reads, from its wheel, staged and renamed into place."""
-    where = cache_root() / f"sglang-{SGLANG}-source"
-    if all((where / name).exists() for name in NEEDED):
-        return where
-    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                        "--dest", str(staging / "wheel"), f"sglang=={SGLANG}"], check=True)
-        (wheel,) = (staging / "wheel").glob("*.whl")
-        with zipfile.ZipFile(wheel) as z:
-            for name in z.namelist():
-                if name.startswith(NEEDED) and name.endswith(".py"):
-                    z.extract(name, staging)
-        shutil.rmtree(staging / "wheel")
-        shutil.rmtree(where, ignore_errors=True)
-        os.replace(staging, where)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return where
+    """The few source files of sglang 0.5.23 this test reads, from its wheel."""
+    return wheel_source("sglang", SGLANG, NEEDED)
 
 
 def _literal(source: str, function: str, name: str):

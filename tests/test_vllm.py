@@ -34,6 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny, tiny_tokenizer
+from wheels import wheel_source
 
 from inference.engine.drafters import DraftContext, HeadsDrafter
 from medusa_train.kinds.eagle3 import NORMS
@@ -524,27 +525,8 @@ CONTRACT_FILES = ("vllm/v1/worker/gpu_model_runner.py", "vllm/engine/arg_utils.p
 
 @pytest.fixture(scope="session")
 def vllm_next_src() -> Path:
-    """The few source files of vLLM 0.33.0 the plugin relies on, from its wheel (downloaded once, nothing imported)."""
-    import zipfile
-
-    where = cache_root() / f"vllm-{VLLM_NEXT}-source"
-    if all((where / name).exists() for name in CONTRACT_FILES):
-        return where
-    staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                        "--only-binary", ":all:", "--dest", str(staging / "wheel"), f"vllm=={VLLM_NEXT}"], check=True)
-        (wheel,) = (staging / "wheel").glob("*.whl")
-        with zipfile.ZipFile(wheel) as z:
-            for name in CONTRACT_FILES:
-                z.extract(name, staging)
-        shutil.rmtree(staging / "wheel")
-        shutil.rmtree(where, ignore_errors=True)
-        os.replace(staging, where)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return where
+    """The few source files of vLLM 0.33.0 the plugin relies on, from its wheel."""
+    return wheel_source("vllm", VLLM_NEXT, CONTRACT_FILES)
 
 
 def plugin_contract(site: Path) -> list[str]:
