@@ -116,8 +116,7 @@ class HeadsProposer:
         self.heads = None
 
     def load_model(self, target: torch.nn.Module) -> None:
-        from medusa_train.kinds.heads import DraftHeads, HeadsMismatchError
-        from medusa_train.target.model import fingerprint_difference, target_fingerprint
+        from medusa_train.kinds.heads import DraftHeads, check_fingerprint
 
         device = next(target.parameters()).device
         self.heads = DraftHeads.from_pretrained(self.directory, device=device, dtype=self.dtype).eval()
@@ -132,14 +131,12 @@ class HeadsProposer:
             return
         # vLLM pads both to a multiple of 64 rows: the target's rows are the first vocab_size
         embedding, lm_head = embedding[:self.vocab_size], lm_head[:self.vocab_size]
-        seen = target_fingerprint(SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(weight=embedding),
-                                                  get_output_embeddings=lambda: SimpleNamespace(weight=lm_head)))
+        # the weights vLLM loaded, read as the transformers model whose fingerprint the heads keep (an adapter's
+        # record left out: vLLM serves the merged model, and its weights are what is compared)
+        weights = SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(weight=embedding),
+                                  get_output_embeddings=lambda: SimpleNamespace(weight=lm_head))
         expected = {k: v for k, v in self.heads.spec.target_fingerprint.items() if k != "adapter"}
-        diff = fingerprint_difference(expected, seen)
-        if diff is not None:
-            name = self.heads.spec.target_name
-            raise HeadsMismatchError(f"the heads in {self.directory} do not fit this target: {diff}"
-                                     + (f" (they were trained for {name})" if name else ""))
+        check_fingerprint(expected, weights, self.heads.spec.target_name)
         if not self.heads.owns_lm_head:  # the scored rows, gathered once
             ids = self.heads.draft_ids
             self._weight = (lm_head[ids] if self.heads.spec.draft_vocab_size else lm_head).to(self.dtype)
