@@ -60,6 +60,27 @@ def test_bad_input_under_torchrun_is_said_once(ws, tmp_path):
     assert proc.stdout.count("train.py: exit code 2") == 1
 
 
+def test_a_process_other_than_the_first_leaves_a_shared_error_to_the_first(ws, tmp_path, monkeypatch, capsys):
+    """The launcher stops every process as soon as one exits: a process other than the first that exited at once on
+    an error they all meet had the first killed before it said its line (CI saw it: no `error:` line at all). It waits
+    for the launcher to end it (SIGTERM back to its default), and says the error only if the wait ends, naming itself:
+    an error of its own, which the first never met. The first says it at once."""
+    from medusa_train.train import cli
+
+    waits, handlers = [], []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    monkeypatch.setattr(cli.signal, "signal", lambda sig, handler: handlers.append((sig, handler)))
+    bad = [str(ws / "base.yaml"), "train.lr=-1", f"output_dir={tmp_path / 'out'}"]
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(bad) == 2
+    assert waits == [cli.OTHERS_WAIT_S] and handlers == [(signal.SIGTERM, signal.SIG_DFL)]
+    assert capsys.readouterr().err.splitlines() == ["error: (process 1) train.lr must be > 0, got -1.0"]
+    monkeypatch.setenv("RANK", "0")
+    waits.clear()
+    assert cli.main(bad) == 2
+    assert waits == [] and capsys.readouterr().err.splitlines() == ["error: train.lr must be > 0, got -1.0"]
+
+
 def test_processes_are_said_and_a_cpu_launch_asking_for_two_is_warned(ws, tmp_path):
     proc = subprocess.run(accelerate("--num_processes", "2", str(ROOT / "train.py"), str(ws / "base.yaml"),
                                      "train.max_steps=2", f"output_dir={tmp_path / 'out'}"),

@@ -2,7 +2,7 @@
 
 Exit codes of the training process: 0 the run finished (heads saved); 1 the run diverged (non-finite gradients or
 weights, or a loss that exploded; the last good checkpoint is kept); 2 bad input (a config, data or target problem:
-one line `error: ...` on stderr, from the first process only; the recipe and the data files are checked before any
+one line `error: ...` on stderr, from the first process; the recipe and the data files are checked before any
 model is loaded); 75 (EX_TEMPFAIL, "try again") a signal stopped the run after it saved a checkpoint: rerun the same
 command and `resume: auto` continues, so a scheduler can requeue on 75 and tell it from a finished run.
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from ..config import ConfigError, load_config
@@ -55,6 +57,23 @@ def finish(code: int, output_dir: str | None) -> int:
     return code
 
 
+OTHERS_WAIT_S = 30.0  # how long a process other than the first leaves the first to say an error they share
+
+
+def say_error(message: str, rank: int) -> None:
+    """The `error:` line, said once. Every process meets the same bad input, but the launcher stops all of them as soon
+    as one exits, so a process other than the first that exited at once could have the first killed before it said
+    the line. Such a process waits instead: the first says the line and exits, and the launcher ends this one
+    (SIGTERM, taken back from the stop handler). An error on this process alone, which the first never meets, is said
+    after the wait, with the process named."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(OTHERS_WAIT_S)
+    print(f"error: (process {rank}) {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 finished, 1 diverged, 2 bad input, 75 stopped by a signal: resume)."""
     args = build_parser().parse_args(argv)
@@ -62,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if launcher_argv() is not None:
         die_with_launcher()
-    first = int(os.environ.get("RANK", "0")) == 0
+    rank = int(os.environ.get("RANK", "0"))
     output_dir = None
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -78,12 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         if train(cfg).stopped:
             return finish(EXIT_STOPPED, output_dir)
     except ConfigError as e:  # includes DataError and TargetLoadError
-        if first:  # the same line from every process would only repeat it
-            print(f"error: {e}", file=sys.stderr)
+        say_error(str(e), rank)
         return finish(2, output_dir)
     except TrainingDiverged as e:
-        if first:
-            print(f"error: {e}", file=sys.stderr)
+        say_error(str(e), rank)
         return finish(1, output_dir)
     return finish(0, output_dir)
 
