@@ -256,3 +256,123 @@ def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, m
     monkeypatch.setattr(D, "generate_replies", real)
     assert D.main(argv) == 0
     assert sorted(r["id"] for r in rows(out)) == [f"q{i}" for i in range(6)]
+
+
+CONVERSATIONS = [  # ShareGPT rows: three user turns, one, and two (with an assistant turn the target replaces)
+    {"id": "c3", "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Red."},
+                                   {"from": "human", "value": "And another one?"}, {"from": "gpt", "value": "Blue."},
+                                   {"from": "human", "value": "Which do you like more?"}]},
+    {"id": "c1", "conversations": [{"from": "human", "value": "hello there"}]},
+    {"id": "c2", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                                   {"from": "human", "value": "Times three?"}, {"from": "gpt", "value": "12"}]},
+]
+
+
+def test_turns_all_answers_every_user_turn_after_the_targets_own_replies(tmp_path):
+    """`--turns all`: each later user turn of the source is answered after the conversation so far, whose earlier
+    replies are the target's own (never the source's), greedy as if asked one at a time; one row a conversation,
+    and training supervises every reply and nothing else."""
+    from medusa_train.data.chat import IGNORE_INDEX, render_prompt, tokenize_chat
+
+    model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
+    bias = torch.zeros(model.config.vocab_size)
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    bias[tok.eos_token_id] = 4.0  # replies that end, so conversations go on
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(CONVERSATIONS))
+    pool = P.load_prompts(str(src))
+    assert [(p.id, p.later) for p in pool] == [("c3", ("And another one?", "Which do you like more?")),
+                                               ("c1", ()), ("c2", ("Times three?",))]
+    out = tmp_path / "d.jsonl"
+    counts = D.distill(model, tok, pool, out, max_new_tokens=12, batch_size=2, progress=False, turns="all")
+    got = {r["id"]: r for r in rows(out)}
+    assert all(r["finish"] == "stop" for r in got.values()), "the test wants replies that end"
+    assert counts["turns_written"] == {1: 1, 2: 1, 3: 1} and counts["replies"] == 6
+    for p in pool:
+        msgs = got[p.id]["messages"]
+        assert [m["content"] for m in msgs[0::2]] == [p.text, *p.later]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * (1 + len(p.later))
+        for k in range(1, len(msgs), 2):  # each reply: the greedy reply to the conversation before it
+            ((text, finish, _),) = D.generate_replies(model, tok, [render_prompt(tok, msgs[:k])], 12)
+            assert msgs[k]["content"] == text and finish == "stop"
+        assert got[p.id]["generation"]["turns"] == "all"
+        row = tokenize_chat(msgs, tok, max_length=4096)
+        spans = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+        replies = [tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                   for m in msgs[1::2]]
+        assert spans == [t for r in replies for t in r]  # every reply and its end, and nothing else
+    hook.remove()
+
+
+def test_a_conversation_goes_on_only_after_a_reply_that_ended(tmp_path):
+    model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
+    bias = torch.zeros(model.config.vocab_size)
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    bias[tok.eos_token_id] = -1e4  # every reply is cut at its limit
+    pool = [P.Prompt("a", "Name a colour.", ("And another one?",))]
+    counts = D.distill(model, tok, pool, tmp_path / "d.jsonl", max_new_tokens=4, progress=False, turns="all")
+    (row,) = rows(tmp_path / "d.jsonl")
+    assert len(row["messages"]) == 2 and row["finish"] == "length" and counts["cut"] == counts["replies"] == 1
+    bias[tok.eos_token_id] = 1e4  # every reply ends at once: the conversation goes on while it fits
+    first = len(D.render_prompts(tok, pool)[0])
+    for limit, turns in ((first + 60, 2), (first + 20, 1)):  # the second turn's context: ~37 tokens more
+        out = tmp_path / f"fits-{limit}.jsonl"
+        D.distill(model, tok, pool, out, max_new_tokens=4, progress=False, turns="all", max_prompt_tokens=limit)
+        assert len(rows(out)[0]["messages"]) == 2 * turns
+    hook.remove()
+
+
+def test_replies_fill_what_the_recipes_max_length_leaves(tmp_path, monkeypatch):
+    """Without --max-new-tokens a reply may run to data.max_length minus its prompt, where training would cut the
+    row anyway, and no further; prompts leaving under MIN_REPLY are skipped as too long."""
+    model, tok = tiny_model("llama", seed=1), tiny_tokenizer()
+    made, real = [], D.decode  # (prompt tokens, reply tokens) of every reply decoded
+
+    def recording(model, prompts, **kw):
+        for i, tokens, stopped in real(model, prompts, **kw):
+            made.append((len(prompts[i]), len(tokens)))
+            yield i, tokens, stopped
+
+    monkeypatch.setattr(D, "decode", recording)
+    bias = torch.zeros(model.config.vocab_size)
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    bias[tok.eos_token_id] = -1e4
+    pool = [P.Prompt("a", "hi", ("and again",)), P.Prompt("b", "Write a haiku about the sea, please."),
+            P.Prompt("long", "word " * 60)]
+    n = {p.id: len(D.render_prompts(tok, [p])[0]) for p in pool}
+    max_length = n["b"] + 40
+    assert max_length - n["long"] < D.MIN_REPLY
+    out = tmp_path / "d.jsonl"
+    counts = D.distill(model, tok, pool, out, max_new_tokens=None, max_length=max_length, progress=False)
+    assert counts["too_long"] == 1 and counts["cut"] == counts["replies"] == 2
+    assert sorted(made) == sorted((n[k], max_length - n[k]) for k in ("a", "b"))
+    for r in rows(out):
+        assert r["generation"] == {"max_new_tokens": None, "max_length": max_length, "temperature": 0.0,
+                                   "top_p": 1.0}
+    hook.remove()
+
+
+def test_cli_says_the_share_of_replies_cut_and_refuses_bad_turns(tmp_path, capsys):
+    save_tiny(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": t})
+                                                for i, t in [("x", "hello"), ("y", "bye")]))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\ndata:\n  max_length: 40\n")
+    out = tmp_path / "o.jsonl"
+    base = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
+    assert D.main(base) == 0
+    said = capsys.readouterr().out
+    cut = sum(r["finish"] == "length" for r in rows(out))
+    assert f"replies cut at their limit (what data.max_length 40 leaves): {cut} of 2 ({cut / 2:.0%}, this " \
+           "process)" in said
+    assert D.main(base + ["--max-new-tokens", "5"]) == 2
+    assert "holds rows made with --max-new-tokens unset (this run: 5), data.max_length (replies fill it) 40 " \
+           "(this run: unset)" in capsys.readouterr().err
+    assert D.main([str(recipe), "--prompts", "self", "--limit", "3", "--out", str(tmp_path / "s.jsonl"),
+                   "--turns", "all"]) == 2
+    assert "--turns all answers a multi-turn source's later user turns" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        D.main(base + ["--turns", "some"])
+    assert "--turns takes a number or `all`, got 'some'" in capsys.readouterr().err
+    assert D.main(base + ["--engine", "vllm"]) == 2
+    assert "--engine vllm needs --vllm-python" in capsys.readouterr().err

@@ -105,18 +105,26 @@ def _cut_left(cache, columns: int) -> None:
 
 @torch.inference_mode()
 def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stops: Sequence[int], pad_id: int,
-           batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None
-           ) -> Iterator[tuple[int, list[int], bool]]:
+           batch_size: int = 32, temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
+           limits: Sequence[int] | None = None) -> Iterator[tuple[int, list[int], bool]]:
     """Yields (prompt index, new tokens up to the first stop token, stopped) for every prompt, as each one ends
     (in that order, not the prompts'). Greedy at `temperature` 0; else sampled with `top_p`, prompt i from a
-    generator seeded `seeds[i]`."""
+    generator seeded `seeds[i]`. Prompt i gets at most `limits[i]` new tokens (default `max_new_tokens` each; a
+    limit under 1 yields no tokens). A `model` that generates itself (`VllmTarget`: vLLM in its own venv) is handed
+    the whole call."""
     from transformers import DynamicCache
 
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("decode: sampling needs one seed per prompt")
+    limit = [max_new_tokens] * len(prompts) if limits is None else [int(n) for n in limits]
+    if hasattr(model, "generate_tokens"):
+        yield from model.generate_tokens(prompts, limit, stops, temperature, top_p, seeds)
+        return
+    for i in [i for i, n in enumerate(limit) if n < 1]:
+        yield i, [], False
     stop_set = set(int(t) for t in stops)
     device = model.device
-    waiting = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
+    waiting = [i for i in range(len(prompts)) if limit[i] >= 1][::-1]  # popped from the end: prompt order
     rows: list[int | None] = []  # prompt index of each cache row; None: it ended, its row not yet dropped
     out: dict[int, list[int]] = {}
     gens: dict[int, torch.Generator] = {}
@@ -167,7 +175,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                     gens[i] = torch.Generator(device=device).manual_seed(int(seeds[i]))
             c, m, pos, logits = prefill(batch)
             if not _plain_cache(c):  # a cache we cannot splice (the first prefill tells): generate() instead
-                yield from _generate_fallback(model, prompts, [*batch, *waiting[::-1]], max_new_tokens, stops,
+                yield from _generate_fallback(model, prompts, [*batch, *waiting[::-1]], limit, stops,
                                               pad_id, batch_size, temperature, top_p, seeds)
                 return
             nxt = pick(logits, batch)
@@ -195,7 +203,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
             i, t = rows[r], tokens[r]
             if i is None:
                 continue
-            if t in stop_set or len(out[i]) + 1 >= max_new_tokens:
+            if t in stop_set or len(out[i]) + 1 >= limit[i]:
                 stopped = t in stop_set
                 if not stopped:
                     out[i].append(t)
@@ -206,10 +214,10 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                 out[i].append(t)
 
 
-def _generate_fallback(model, prompts, todo, max_new_tokens, stops, pad_id, batch_size, temperature, top_p, seeds
+def _generate_fallback(model, prompts, todo, limit, stops, pad_id, batch_size, temperature, top_p, seeds
                        ) -> Iterator[tuple[int, list[int], bool]]:
     """`model.generate` on batches of `batch_size` of the prompts in `todo` (sampling seeded by each batch's first
-    prompt): for caches `decode` cannot splice."""
+    prompt; each batch runs to its largest limit, each row cut at its own): for caches `decode` cannot splice."""
     stop_set = set(int(t) for t in stops)
     for b in range(0, len(todo), batch_size):
         batch = todo[b:b + batch_size]
@@ -219,8 +227,9 @@ def _generate_fallback(model, prompts, todo, max_new_tokens, stops, pad_id, batc
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if temperature > 0:
             torch.manual_seed(int(seeds[batch[0]]))
-        seqs = model.generate(input_ids=ids, attention_mask=m, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                              eos_token_id=list(stops), **kw)
+        seqs = model.generate(input_ids=ids, attention_mask=m, max_new_tokens=max(limit[i] for i in batch),
+                              pad_token_id=pad_id, eos_token_id=list(stops), **kw)
         for i, row in zip(batch, seqs[:, width:].tolist()):
+            row = row[:limit[i]]
             stop = next((k for k, t in enumerate(row) if t in stop_set), None)
             yield i, row if stop is None else row[:stop], stop is not None

@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .batch_decode import decode
@@ -48,7 +48,9 @@ from . import self_prompts
 from .self_prompts import FollowUps
 
 Order = Literal["file", "shortest", "longest"]
+Turns = int | Literal["all"]
 CHUNK = 4  # batches of prompts decoded together and written at once: slots refill within a chunk
+MIN_REPLY = 16  # with replies as long as data.max_length leaves, a prompt (or conversation) leaving less is too long
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,20 +151,22 @@ def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     return [render_prompt(tokenizer, p.text) for p in prompts]
 
 
-def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
+def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int | Sequence[int],
                      temperature: float = 0.0, top_p: float = 1.0, batch_size: int | None = None,
                      seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
     """The target's reply to each prompt, `batch_size` in flight at once (`batch_decode.decode`: continuous
-    batching; default all). Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the
-    first end-of-turn token (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the
-    engine verifies against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
+    batching; default all; vLLM schedules its own), at most `max_new_tokens` tokens (one limit, or one a prompt).
+    Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the first end-of-turn token
+    (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the engine verifies
+    against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
     if temperature > 0 and seeds is None:
         seeds = list(range(len(prompt_ids)))
+    limits = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[tuple[str, str, int]] = [("", "", 0)] * len(prompt_ids)
-    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max_new_tokens, stops=stop_ids(model, tokenizer),
-                                     pad_id=pad_id(tokenizer),
+    for i, tokens, stopped in decode(model, prompt_ids, max_new_tokens=max(limits, default=1),
+                                     stops=stop_ids(model, tokenizer), pad_id=pad_id(tokenizer),
                                      batch_size=batch_size or len(prompt_ids), temperature=temperature,
-                                     top_p=top_p, seeds=seeds):
+                                     top_p=top_p, seeds=seeds, limits=limits):
         out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens))
     return out
 
@@ -176,33 +180,51 @@ def _order(prompts: list[Prompt], lengths: list[int], order: Order) -> list[int]
     return idx
 
 
-def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int = 256,
-            temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, limit: int = 0,
-            order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
+def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, max_new_tokens: int | None = 256,
+            max_length: int | None = None, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8,
+            limit: int = 0, order: Order = "file", max_prompt_tokens: int = 1024, seed: int = 0, rank: int = 0,
             world_size: int = 1, progress: bool = True, row_extra: dict[str, Any] | None = None,
-            turns: int = 1, follow_ups: FollowUps | None = None) -> dict[str, int]:
+            turns: Turns = 1, follow_ups: FollowUps | None = None) -> dict[str, Any]:
     """Write the target's replies to `prompts` into `out` (JSONL), skipping ids already there.
 
     Prompts longer than `max_prompt_tokens` are skipped; `order` then `limit` pick which prompts form the
     job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
     prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
-    Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`.
-    `row_extra` is recorded in every row written (self-written prompts say so). With `turns > 1` the target
-    writes the user's next turn itself (`follow_ups`: how it samples and filters them) after every reply that
-    ended within `max_new_tokens`, and replies again, up to `turns` user turns a row; a conversation whose
-    follow-up a filter drops ends there. The count of rows by their number of user turns is in `turns_written`.
+    Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`, `replies`
+    and `cut` (replies written, and those that hit their limit).
+    `row_extra` is recorded in every row written (self-written prompts say so).
+
+    Reply length: `max_new_tokens` tokens, or with `max_new_tokens=None` as many as `max_length` (the recipe's
+    data.max_length, where training cuts rows) leaves after the prompt or conversation so far; a prompt leaving fewer
+    than MIN_REPLY is too long then.
+
+    Turns: with `turns="all"` each prompt's later user turns (`Prompt.later`: a multi-turn source's) are answered
+    in turn, after the conversation so far with the target's own earlier replies; with `turns > 1` the target
+    writes the user's next turn itself (`follow_ups`: how it samples and filters them), up to `turns` user turns a
+    row. Either way a conversation goes on only after a reply that ended (not one cut at its limit), while it fits
+    `max_prompt_tokens` (and the reply room); a follow-up a filter drops ends it. The count of rows by their number
+    of user turns is in `turns_written`.
     """
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if turns > 1 and follow_ups is None:
+    if max_new_tokens is None and max_length is None:
+        raise ValueError("distill: give max_new_tokens, or max_length for replies as long as it leaves")
+    if turns != "all" and turns > 1 and follow_ups is None:
         follow_ups = FollowUps()
-    settings = generation_settings(max_new_tokens, temperature, top_p, turns, follow_ups)
+    settings = generation_settings(max_new_tokens, temperature, top_p, turns, follow_ups, max_length)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+    def room(n: int) -> int:  # the reply's limit after n tokens of prompt
+        return max_new_tokens if max_new_tokens is not None else max_length - n
+
+    def fit(n: int) -> bool:
+        return n <= max_prompt_tokens and (max_new_tokens is not None or room(n) >= MIN_REPLY)
+
     ids = render_prompts(tokenizer, prompts)
-    fits = [i for i in range(len(prompts)) if len(ids[i]) <= max_prompt_tokens]
+    fits = [i for i in range(len(prompts)) if fit(len(ids[i]))]
     too_long = len(prompts) - len(fits)
     kept = [prompts[i] for i in fits]
     kept_ids = [ids[i] for i in fits]
@@ -218,7 +240,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     todo = [i for i in job[rank::world_size] if not finished(i)]
     target = out if world_size == 1 else _part_path(out, rank)
     _repair_tail(target)
-    written = 0
+    written = replies_written = cut = 0
     by_turns: dict[int, int] = {}
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
                dynamic_ncols=True)
@@ -226,24 +248,33 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     for b in range(0, len(todo), chunk):
         batch = todo[b:b + chunk]
         seeds = [seed + hash_id(kept[i].id) for i in batch]  # a prompt's sample is the same wherever a run resumes
-        replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch], max_new_tokens,
-                                   temperature, top_p, batch_size, seeds)
+        replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch],
+                                   [room(len(kept_ids[i])) for i in batch], temperature, top_p, batch_size, seeds)
         convs = [[{"role": "user", "content": kept[i].text}, {"role": "assistant", "content": text}]
                  for i, (text, _, _) in zip(batch, replies)]
         ends = [finish for _, finish, _ in replies]
-        for t in range(1, turns):  # the target writes the user's next turn, then answers it
+        most = max(len(kept[i].later) for i in batch) + 1 if turns == "all" else turns
+        for t in range(1, most):  # the user's next turn (the source's, or the target writes it), then the reply
             live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
-            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
-                                    batch_size)
-            go = [(k, q) for k, q in zip(live, asks) if q is not None]
+            if turns == "all":
+                asks = [kept[batch[k]].later[t - 1] if len(kept[batch[k]].later) >= t else None for k in live]
+            else:
+                asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
+                                        batch_size)
+            go = [(k, q, render_prompt(tokenizer, convs[k] + [{"role": "user", "content": q}]))
+                  for k, q in zip(live, asks) if q is not None]
+            go = [g for g in go if fit(len(g[2]))]
             if not go:
                 break
-            more = generate_replies(model, tokenizer, [render_prompt(tokenizer, convs[k] + [
-                {"role": "user", "content": q}]) for k, q in go], max_new_tokens, temperature, top_p, batch_size,
-                [seeds[k] + t for k, _ in go])
-            for (k, q), (text, finish, _) in zip(go, more):
+            more = generate_replies(model, tokenizer, [g[2] for g in go], [room(len(g[2])) for g in go], temperature,
+                                    top_p, batch_size, [seeds[k] + t for k, _, _ in go])
+            for (k, q, _), (text, finish, _) in zip(go, more):
                 convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
                 ends[k] = finish
+                cut += finish == "length"
+            replies_written += len(go)
+        replies_written += len(batch)
+        cut += sum(finish == "length" for _, finish, _ in replies)
         rows = [{"id": kept[i].id, "messages": conv, "finish": finish, "generation": settings, **(row_extra or {})}
                 for i, conv, finish in zip(batch, convs, ends)]
         for conv in convs:
@@ -254,14 +285,20 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
         bar.set_postfix(rows=len(done) + written * world_size)
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
-            "too_long": too_long, "turns_written": dict(sorted(by_turns.items()))}
+            "too_long": too_long, "turns_written": dict(sorted(by_turns.items())), "replies": replies_written,
+            "cut": cut}
 
 
-def generation_settings(max_new_tokens: int, temperature: float, top_p: float, turns: int = 1,
-                        follow_ups: FollowUps | None = None) -> dict[str, Any]:
-    """What each row records of how its reply was made: a rerun with other settings must not mix its rows in."""
+def generation_settings(max_new_tokens: int | None, temperature: float, top_p: float, turns: Turns = 1,
+                        follow_ups: FollowUps | None = None, max_length: int | None = None) -> dict[str, Any]:
+    """What each row records of how its reply was made: a rerun with other settings must not mix its rows in.
+    Replies as long as the recipe leaves record `max_new_tokens: null` and the `max_length` they filled."""
     out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-    if turns > 1:  # single-turn rows keep the keys they always had
+    if max_new_tokens is None:
+        out["max_length"] = max_length
+    if turns == "all":
+        out["turns"] = "all"
+    elif turns > 1:  # single-turn rows keep the keys they always had
         out |= {"turns": turns, "follow_ups": (follow_ups or FollowUps()).settings()}
     return out
 
@@ -270,8 +307,9 @@ def check_same_settings(out: Path, settings: dict[str, Any]) -> None:
     """ConfigError (before any model loads) when `out` or its parts hold rows made with other settings: one file
     of replies cut at 64 and 256 tokens, or greedy and sampled, would train heads on a mix nobody asked for. Rows
     of files written before rows recorded their settings are taken as they are."""
-    flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-             "turns": "--turns", "follow_ups": "the follow-ups' --self-* settings"}
+    flags = {"max_new_tokens": "--max-new-tokens", "max_length": "data.max_length (replies fill it)",
+             "temperature": "--temperature", "top_p": "--top-p", "turns": "--turns",
+             "follow_ups": "the follow-ups' --self-* settings"}
     for f in [out, *_parts(out)]:
         for row in _rows(f):
             had = row.get("generation")
@@ -280,7 +318,10 @@ def check_same_settings(out: Path, settings: dict[str, Any]) -> None:
             had = {"turns": 1, "follow_ups": None} | had  # one turn: rows record no follow-up keys
             mine = {"turns": 1, "follow_ups": None} | settings
             if any(had.get(k) != mine.get(k) for k in flags):
-                diff = ", ".join(f"{flags[k]} {had.get(k)} (this run: {mine.get(k)})" for k in flags
+                def say(k: str, v: Any) -> str:
+                    return "unset" if v is None and k in ("max_new_tokens", "max_length") else str(v)
+
+                diff = ", ".join(f"{flags[k]} {say(k, had.get(k))} (this run: {say(k, mine.get(k))})" for k in flags
                                  if had.get(k) != mine.get(k))
                 raise ConfigError(f"--out {out} holds rows made with {diff}: rerun with the same settings to "
                                   "continue it, or write to another --out")
@@ -311,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "(repeatable), e.g. the benchmark's")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="a reply's limit; default: what the recipe's data.max_length leaves after the prompt (or the "
+                        "conversation so far), so no reply is cut before training would cut its row")
     p.add_argument("--batch-size", type=int, default=32,
                    help="prompts in flight at once, per process (continuous batching: one that ends frees its slot; "
                         "docs/history.md gives rows a minute by batch size)")
@@ -319,10 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=["file", "shortest", "longest"], default="file")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--turns", type=int, default=1,
-                   help="user turns a conversation: after the first, the target writes the user's next request "
-                        "itself (sampled with the --self-* settings, filtered like self-written requests) and "
-                        "replies again")
+    p.add_argument("--turns", type=_turns, default=1,
+                   help="`all`: answer every user turn of a multi-turn source (ShareGPT, messages, MT-Bench turns) "
+                        "in turn, after the conversation so far with the target's own earlier replies; N: user turns "
+                        "a conversation, the target writing the user's next request itself after the first (sampled "
+                        "with the --self-* settings, filtered like self-written requests); default 1")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="who generates: our batched decoding over transformers (default), or vLLM in its own venv "
+                        "(--vllm-python), the fast way on a GPU")
+    p.add_argument("--vllm-python", help="--engine vllm: the Python of a venv holding vLLM "
+                                         "(scripts/vllm_cpu_venv.sh makes one on a CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="--engine vllm: GPUs one vLLM spreads the target over (a process of a multi-process run "
+                        "takes its own GPUs)")
     own = p.add_argument_group("--prompts self and --turns: the target writes requests "
                                "(medusa_train.data.self_prompts)")
     own.add_argument("--self-temperature", type=float, default=1.0, help="sampling temperature of the requests")
@@ -332,8 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _turns(text: str) -> Turns:
+    if text == "all":
+        return "all"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--turns takes a number or `all`, got {text!r}") from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -346,9 +407,18 @@ def _check_args(args: argparse.Namespace) -> None:
     for f in args.exclude:
         if not Path(f).exists():
             raise ConfigError(f"--exclude: file not found: {f}")
-    if args.turns < 1:
-        raise ConfigError(f"--turns must be >= 1 (got {args.turns})")
-    if args.prompts == "self" or args.turns > 1:
+    if args.turns != "all" and args.turns < 1:
+        raise ConfigError(f"--turns must be >= 1 or all (got {args.turns})")
+    if args.turns == "all" and args.prompts == "self":
+        raise ConfigError("--turns all answers a multi-turn source's later user turns; --prompts self writes single "
+                          "requests: use --turns N to have the target write the follow-ups too")
+    if args.engine == "vllm":
+        if not args.vllm_python or not Path(args.vllm_python).is_file():
+            raise ConfigError(f"--engine vllm needs --vllm-python: the Python of a venv holding vLLM (got "
+                              f"{args.vllm_python}; scripts/vllm_cpu_venv.sh makes one on a CPU)")
+        if args.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.prompts == "self" or (args.turns != "all" and args.turns > 1):
         if args.self_temperature <= 0 or not 0 < args.self_top_p <= 1 or args.self_max_tokens < 1:
             raise ConfigError("--self-temperature must be > 0, --self-top-p in (0, 1], --self-max-tokens >= 1")
     if args.prompts == "self":
@@ -438,6 +508,36 @@ def self_written(model, tokenizer, args: argparse.Namespace, say, out: Path, ran
     return prompts
 
 
+def load_engine(cfg, args: argparse.Namespace, accelerator):
+    """(model, tokenizer): the target loaded here (`--engine transformers`), or vLLM started in its own venv
+    (`VllmTarget`), one a process: a process of a multi-process run takes its own GPUs (data parallel: an 8B
+    target fits one, and engines that share nothing scale with their number), each vLLM spreading the target over
+    `--tensor-parallel-size` of them (for a target no one GPU holds)."""
+    from ..target.model import load_target, load_tokenizer
+
+    if args.engine == "transformers":
+        return load_target(cfg.target, device=accelerator.device)
+    import torch
+
+    from .vllm_generate import VllmTarget
+
+    longest = cfg.data.max_length if args.max_new_tokens is None else args.max_prompt_tokens + args.max_new_tokens
+    try:
+        positions = json.loads((Path(cfg.target.model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    tp = args.tensor_parallel_size
+    devices = None
+    if accelerator.num_processes > 1 and torch.cuda.is_available():
+        first = accelerator.local_process_index * tp
+        devices = ",".join(str(first + j) for j in range(tp))
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    model = VllmTarget(cfg.target.model, args.vllm_python, dtype=dtype, tensor_parallel_size=tp,
+                       max_model_len=min(longest, positions or longest), max_num_seqs=args.batch_size,
+                       seed=args.seed, trust_remote_code=cfg.target.trust_remote_code, devices=devices)
+    return model, load_tokenizer(cfg.target)
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -453,9 +553,12 @@ def main(argv: list[str] | None = None) -> int:
         follow_ups = FollowUps(args.self_temperature, args.self_top_p, args.self_max_tokens,
                                latin_only=args.latin_only)
         check_same_settings(Path(args.out), generation_settings(args.max_new_tokens, args.temperature, args.top_p,
-                                                                args.turns, follow_ups))
+                                                                args.turns, follow_ups, cfg.data.max_length))
         own = args.prompts == "self"
-        if own or args.turns > 1:  # the template's user turn is checked now, before the model loads
+        if args.engine == "vllm" and (cfg.target.adapter or cfg.target.gguf_file):
+            raise ConfigError("--engine vllm serves a model directory or hub name: merge target.adapter into the "
+                              "model, or convert target.gguf_file (python -m medusa_train.target.prepare), first")
+        if own or args.turns != "all" and args.turns > 1:  # the template's user turn is checked before loading
             from ..target.model import load_tokenizer
 
             self_prompts.user_turn_prefix(load_tokenizer(cfg.target))
@@ -473,17 +576,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from accelerate import Accelerator
 
-    from ..target.model import load_target
-
     accelerator = Accelerator()
     say = accelerator.print
     pool = (f"{args.limit} requests the target writes itself" if own
             else f"{len(prompts)} prompts from {args.prompts} ({n_pool - len(prompts)} excluded)")
-    say(f"[distill] {pool}; target {cfg.target.model}; {accelerator.num_processes} process(es)")
+    say(f"[distill] {pool}; target {cfg.target.model}; {accelerator.num_processes} process(es); "
+        f"engine {args.engine}")
     out = Path(args.out)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop, like Ctrl-C
+    model = None
     try:
-        model, tokenizer = load_target(cfg.target, device=accelerator.device)
+        model, tokenizer = load_engine(cfg, args, accelerator)
         if own:
             prompts = self_written(model, tokenizer, args, say, out, accelerator.process_index,
                                    accelerator.num_processes, accelerator.wait_for_everyone)
@@ -492,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         accelerator.wait_for_everyone()
         before = len(_ids_in(out))
         counts = distill(model, tokenizer, prompts, out, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-                         limit=0 if own else args.limit,
+                         max_length=cfg.data.max_length, temperature=args.temperature, top_p=args.top_p,
+                         batch_size=args.batch_size, limit=0 if own else args.limit,
                          order=args.order, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                          rank=accelerator.process_index, world_size=accelerator.num_processes,
                          progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None,
@@ -505,17 +608,28 @@ def main(argv: list[str] | None = None) -> int:
         return 75
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if hasattr(model, "close"):
+            model.close()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if accelerator.num_processes > 1:
             merge_parts(out)
         total = len(_ids_in(out))
+        room = (f"or leaving under {MIN_REPLY} of data.max_length {cfg.data.max_length} "
+                if args.max_new_tokens is None else "")
         say(f"[distill] wrote {total - before} rows ({counts['done_before']} of the job were done before; "
-            f"{counts['too_long']} prompts over {args.max_prompt_tokens} tokens skipped); {out} holds {total} rows")
-        if args.turns > 1:
+            f"{counts['too_long']} prompts over {args.max_prompt_tokens} tokens {room}skipped); {out} holds {total} "
+            "rows")
+        limit = (f"--max-new-tokens {args.max_new_tokens}" if args.max_new_tokens is not None
+                 else f"what data.max_length {cfg.data.max_length} leaves")
+        share = counts["cut"] / max(1, counts["replies"])
+        say(f"[distill] replies cut at their limit ({limit}): {counts['cut']} of {counts['replies']} "
+            f"({share:.0%}, this process)" + (": heads never see how those replies end; raise the limit"
+                                              if share > 0.1 else ""))
+        if args.turns == "all" or args.turns > 1:
             dropped = ", ".join(f"{n} {why}" for why, n in follow_ups.dropped.items()) or "none"
-            say(f"[distill] rows written by user turns: {counts['turns_written']}; follow-ups dropped: {dropped} "
-                "(this process)")
+            say(f"[distill] rows written by user turns: {counts['turns_written']}" + (
+                f"; follow-ups dropped: {dropped}" if args.turns != "all" else "") + " (this process)")
     return 0
 
 

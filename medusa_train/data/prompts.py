@@ -155,6 +155,8 @@ def default_prompts(split: Split = "train") -> list[tuple[str, str]]:
 class Prompt:
     id: str
     text: str
+    later: tuple[str, ...] = ()
+    """The user turns that follow `text` in a multi-turn source (what `distill --turns all` answers in turn)."""
 
 
 def _row_id(row: dict, index: int, prefix: str) -> str:
@@ -188,7 +190,8 @@ def _load_rows(source: str) -> list[dict]:
 
 def load_prompts(source: str) -> list[Prompt]:
     """The pool named by `source`: `default` (the offline pool) or a dataset; first user turns, non-blank,
-    first occurrence of each distinct text. Ids come from the row (`id`, `question_id`, `uid`) or its index."""
+    first occurrence of each distinct text, each with the user turns that follow it in its row (`later`). Ids come
+    from the row (`id`, `question_id`, `uid`) or its index."""
     if source == "default":
         return [Prompt(i, t) for i, t in default_prompts("train")]
     from .formats import prompt_of
@@ -202,7 +205,9 @@ def load_prompts(source: str) -> list[Prompt]:
         if text is None or text in seen:
             continue
         seen.add(text)
-        out.append(Prompt(_row_id(row, i, prefix), text))
+        turns = _user_turns(row)
+        later = tuple(turns[1:]) if turns and turns[0].strip() == text.strip() else ()
+        out.append(Prompt(_row_id(row, i, prefix), text, later))
     if not out:
         raise ConfigError(f"--prompts {source}: no row holds a prompt (looked for messages, conversations, "
                           "prompt/question/instruction and turns columns)")
