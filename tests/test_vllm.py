@@ -590,3 +590,137 @@ def test_the_plugin_contract_holds_in_vllm_0_33_as_in_the_0_32_it_runs_on(vllm_v
     runner = tmp_path / CONTRACT_FILES[0]
     runner.write_text(runner.read_text().replace("sample_hidden_states: torch.Tensor,", "hidden: torch.Tensor,"))
     assert plugin_contract(tmp_path) == ["propose_draft_token_ids(sample_hidden_states)"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Distillation through vLLM (`distill --engine vllm`)
+
+FOLLOW_UPS = ["Say it again, shorter.", "Why is that?"]
+
+
+def supervised_replies(messages: list[dict], tok) -> bool:
+    """Training on the row supervises every assistant reply (its tokens and end of turn) and nothing else."""
+    from medusa_train.data.chat import IGNORE_INDEX, tokenize_chat
+
+    row = tokenize_chat(messages, tok, max_length=100_000)
+    spans = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+    replies = [tok(m["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for m in messages[1::2]]
+    return spans == [t for r in replies for t in r]
+
+
+def test_distill_through_vllm_writes_the_rows_the_transformers_path_writes(vllm_venv, tmp_path, monkeypatch, capsys):
+    """`distill --engine vllm --turns all` on a ShareGPT file of one-, two- and three-turn conversations: a Ctrl-C in
+    the middle stops it in one line (exit 75) and takes vLLM's processes down; the rerun continues, no id written
+    twice; every row (greedy, float32) equals the transformers path's, each reply the target's own answer to the
+    conversation so far, supervised on every reply and only there; a rerun with other settings is refused before
+    vLLM starts."""
+    import signal
+
+    from medusa_train.data import distill as D
+    from medusa_train.data import vllm_generate
+
+    from collections import Counter
+
+    # weights wider than for the heads' tests: replies of varied tokens, not one or two repeated
+    target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.1)
+    tok = tiny_tokenizer()
+    # a tiny target rarely writes its end of turn: the token its replies hold most often after their first two ends
+    # turns too (its generation config's EOS ids, which both paths stop at), so replies end and conversations go on
+    seen = Counter()
+    for text in PROMPT_TEXTS[:6]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        seen.update(target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) + 2:].tolist())
+    target.generation_config.eos_token_id = [tok.eos_token_id, seen.most_common(1)[0][0]]
+    target.generation_config.save_pretrained(tmp_path / "target")
+    conversations = []
+    for i, text in enumerate(PROMPT_TEXTS[:12]):
+        turns = [text, *FOLLOW_UPS[:i % 3]]
+        conversations.append({"id": f"c{i}", "conversations": [
+            m for t in turns for m in ({"from": "human", "value": t}, {"from": "gpt", "value": "(not the target's)"})]})
+    (tmp_path / "sg.json").write_text(json.dumps(conversations))
+    (tmp_path / "recipe.yaml").write_text(f"target: {{model: {tmp_path / 'target'}, dtype: float32}}\n"
+                                          "data: {max_length: 160}\n")
+    for k, v in vllm_env(vllm_venv).items():
+        if k not in ("LD_PRELOAD", "PYTHONPATH"):
+            monkeypatch.setenv(k, v)
+    base = [str(tmp_path / "recipe.yaml"), "--prompts", str(tmp_path / "sg.json"), "--turns", "all",
+            "--max-new-tokens", "40", "--batch-size", "1"]  # chunks of 4 conversations
+    vllm = ["--engine", "vllm", "--vllm-python", str(vllm_venv / "bin" / "python")]
+    out = tmp_path / "vllm.jsonl"
+
+    workers, calls, real = [], [], vllm_generate.VllmTarget.generate_tokens  # calls: the SIGINTs sent
+
+    def stopped_after_a_chunk(self, *args):
+        workers.append(self.proc)
+        if out.exists() and out.read_text() and not calls:  # the second chunk's first call: 4 rows are on disk
+            calls.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        yield from real(self, *args)
+
+    monkeypatch.setattr(vllm_generate.VllmTarget, "generate_tokens", stopped_after_a_chunk)
+    assert D.main(base + vllm + ["--out", str(out)]) == 75
+    err = capsys.readouterr().err
+    assert f"[distill] stopped: {out} and its parts hold 4 rows; rerun the same command to continue" in err
+    assert "Traceback" not in err
+    assert workers[0].poll() is not None  # the worker is gone, and its group with it
+    with pytest.raises(ProcessLookupError):
+        os.killpg(workers[0].pid, 0)
+    monkeypatch.setattr(vllm_generate.VllmTarget, "generate_tokens", real)
+
+    assert D.main(base + vllm + ["--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "engine vllm" in said and "wrote 8 rows (4 of the job were done before" in said
+    got = [json.loads(line) for line in out.read_text().split("\n")[:-1]]
+    assert sorted(r["id"] for r in got) == sorted(c["id"] for c in conversations)  # each once
+    assert D.main(base + ["--out", str(tmp_path / "hf.jsonl")]) == 0  # the transformers path, same settings
+    ours = {r["id"]: r for r in map(json.loads, (tmp_path / "hf.jsonl").read_text().split("\n")[:-1])}
+    differ = [r["id"] for r in got if r != ours[r["id"]]]
+    assert differ == [], differ
+    turns = []
+    for r in got:
+        source = [c["value"] for c in conversations[int(r["id"][1:])]["conversations"][0::2]]
+        turns.append(len(r["messages"]) // 2)
+        assert [m["content"] for m in r["messages"][0::2]] == source[:turns[-1]]
+        assert turns[-1] == len(source) or r["finish"] == "length"  # a conversation ends early only after a cut
+        assert "(not the target's)" not in [m["content"] for m in r["messages"]]
+        assert supervised_replies(r["messages"], tok)
+    assert turns.count(2) + turns.count(3) >= 4, turns
+
+    capsys.readouterr()
+    assert D.main(base[:-4] + ["--max-new-tokens", "41", "--batch-size", "1"] + vllm + ["--out", str(out)]) == 2
+    assert "holds rows made with --max-new-tokens 40 (this run: 41)" in capsys.readouterr().err
+
+
+def test_vllm_samples_distill_replies_with_our_temperature_and_top_p(vllm_venv, tmp_path, monkeypatch):
+    """`distill --engine vllm --temperature 1.5 --top-p 0.9`: vLLM's draws of a first token (each request seeded
+    apart) follow the transformers path's temperature-and-nucleus distribution (`_top_p`): a chi-square test over
+    4,000 draws, and nothing outside the nucleus drawn."""
+    from medusa_train.data import vllm_generate
+    from medusa_train.data.batch_decode import _top_p
+
+    for k, v in vllm_env(vllm_venv).items():
+        if k not in ("LD_PRELOAD", "PYTHONPATH"):
+            monkeypatch.setenv(k, v)
+    target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.1)
+    tok = tiny_tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT_TEXTS[0]}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    with torch.no_grad():
+        expected = _top_p(target(torch.tensor([ids])).logits[:, -1], 1.5, 0.9)[0].double()
+    n = 4000
+    worker = vllm_generate.VllmTarget(str(tmp_path / "target"), str(vllm_venv / "bin" / "python"), dtype="float32",
+                                      max_model_len=256)
+    try:
+        draws = [tokens[0] for _, tokens, _ in worker.generate_tokens([ids] * n, [1] * n, [], 1.5, 0.9, range(n))]
+    finally:
+        worker.close()
+    counts = torch.bincount(torch.tensor(draws), minlength=expected.numel()).double()
+    assert counts[expected == 0].sum() == 0, "vLLM drew tokens outside the nucleus"
+    big = expected * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    want = torch.cat([expected[big], expected[~big].sum()[None]]) * n
+    keep = want > 0
+    chi2 = float(((observed[keep] - want[keep]) ** 2 / want[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert df >= 10 and chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)  # ~1e-7 false alarm (normal approximation)

@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         f"engine {args.engine}")
     out = Path(args.out)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop, like Ctrl-C
-    model = None
+    model, stopped = None, False
     try:
         model, tokenizer = load_engine(cfg, args, accelerator)
         if own:
@@ -602,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                          progress=accelerator.is_main_process, row_extra={"prompt_source": "self"} if own else None,
                          turns=args.turns, follow_ups=follow_ups)
     except KeyboardInterrupt:  # every finished batch is on disk (fsynced): say so, no traceback
+        stopped = True
         if accelerator.is_main_process:
             print(f"\n[distill] stopped: {out} and its parts hold {len(read_done(out)[0])} rows; rerun the same "
                   "command to continue", file=sys.stderr, flush=True)
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         if hasattr(model, "close"):
-            model.close()
+            model.close(now=stopped)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if accelerator.num_processes > 1:

