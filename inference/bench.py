@@ -71,12 +71,15 @@ Runner = Callable[[torch.Tensor, int], RunResult]  # (input_ids [1, T], max_new_
 # Prompts
 
 
-def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str]:
+def load_bench_prompts(source: str, limit: int = 0, stride: int = 1, turn: int = 1) -> list[str | list[dict]]:
     """First user turns (MT-Bench `turns`, `prompt`/`question`/`instruction`, a conversation's first user
     message), each distinct text once, from whatever the trainer reads (a JSON/JSONL/parquet file, a directory,
     a hub name) or `default`: the held-out split of the offline default pool (topics and tasks the default
     training split never uses). `stride` keeps every stride-th prompt (MT-Bench is ordered by category, so
-    stride 2 keeps 5 of each category's 10), then `limit` the first N of those."""
+    stride 2 keeps 5 of each category's 10), then `limit` the first N of those. `turn` > 1: each conversation up to
+    its user turn `turn` (a list of messages), from rows that hold the replies before it (`distill --turns all`)."""
+    if turn > 1:
+        return _later_turns(source, turn)[::stride][:limit or None]
     if source == "default":
         from medusa_train.data.prompts import default_prompts
 
@@ -93,16 +96,39 @@ def load_bench_prompts(source: str, limit: int = 0, stride: int = 1) -> list[str
     return texts[:limit] if limit > 0 else texts
 
 
-def describe_prompts(source: str, n: int, stride: int = 1) -> str:
+def _later_turns(source: str, turn: int) -> list[list[dict]]:
+    from medusa_train.data.formats import rows_to_messages
+    from medusa_train.data.prompts import _load_rows
+
+    out = []
+    for row in _load_rows(source):
+        try:
+            msgs = [m for m in rows_to_messages(row) or [] if m["role"] in ("user", "assistant")]
+        except ValueError:
+            continue
+        if len(msgs) >= 2 * turn - 1 and [m["role"] for m in msgs[:2 * turn - 1]] == ["user", "assistant"] * (
+                turn - 1) + ["user"]:
+            out.append(msgs[:2 * turn - 1])
+    if not out:
+        raise BenchError(f"--turn {turn}: no row of {source} holds {turn} user turns with the replies between them; "
+                         f"write the target's own replies first: python -m medusa_train.data.distill RECIPE --prompts "
+                         f"{source} --turns all --out FILE, then --prompts FILE")
+    return out
+
+
+def describe_prompts(source: str, n: int, stride: int = 1, turn: int = 1) -> str:
     """What the benchmark ran on, in words, for the table, the JSON and the plot's title."""
     every = f", every {stride}th" if stride > 1 else ""
+    if turn > 1:
+        every += f", user turn {turn} after the replies before it"
     if source == "default":
         return f"{n} held-out prompts of the offline default pool{every} (medusa_train/data/prompts.py)"
     return f"{n} prompts of {Path(source).name}{every}"
 
 
-def render(tokenizer, text: str) -> torch.Tensor:
-    """The prompt as one user turn through the chat template (raw text if the tokenizer has none): [1, T]."""
+def render(tokenizer, text: str | list[dict]) -> torch.Tensor:
+    """The prompt as one user turn (or the conversation ending with one) through the chat template, with the
+    assistant header (raw text if the tokenizer has none): [1, T]."""
     from medusa_train.data.chat import render_prompt
 
     ids = render_prompt(tokenizer, text) if getattr(tokenizer, "chat_template", None) else tokenizer(text)["input_ids"]
@@ -360,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")
     p.add_argument("--stride", type=int, default=1,
                    help="keep every stride-th prompt (MT-Bench: 2 keeps 5 per category)")
+    p.add_argument("--turn", type=int, default=1,
+                   help="benchmark the reply to user turn K, after the conversation before it (rows holding the "
+                        "target's earlier replies: `distill --prompts question.jsonl --turns all`)")
     p.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL_METHODS)} (default: every "
                                                    "method whose inputs were given)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -472,7 +501,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], lis
                              "--plot") from None
     budget = parse_tree_budget(args.tree_budget)
     methods = resolve_methods(args)
-    texts = load_bench_prompts(args.prompts, args.limit, args.stride)
+    if args.turn < 1:
+        raise BenchError(f"--turn must be >= 1, got {args.turn}")
+    texts = load_bench_prompts(args.prompts, args.limit, args.stride, args.turn)
     against = load_replies(args.replies_against, len(texts)) if args.replies_against else None
     return methods, texts, against, budget
 
@@ -596,7 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if g.choice.tried():
             log(f"[bench] {m}: what its steps ran (auto budget, per-step choice): {g.choice.summary()}")
     result = {"machine": machine_description(next(target.parameters()).device) + kernels, "target": str(args.target),
-              "prompts": len(prompts), "prompt_set": describe_prompts(args.prompts, len(prompts), args.stride),
+              "prompts": len(prompts), "prompt_set": describe_prompts(args.prompts, len(prompts), args.stride,
+                                                                            args.turn),
               "max_new_tokens": args.max_new_tokens, "methods": summary}
     if args.replies_against:
         result["replies_against"] = compare_replies(replies, [against[i] for i in kept], args.replies_against)

@@ -131,6 +131,29 @@ def test_prompt_formats(tmp_path):
     assert bench.load_bench_prompts(str(tmp_path / "p.jsonl"), limit=1, stride=2) == ["Tell me about the sea."]
 
 
+def test_later_turns_are_benchmarked_after_the_replies_before_them(tmp_path):
+    """`--turn 2`: each conversation up to its second user turn, with the reply before it (distill --turns all
+    wrote it); rows without that many turns are left out; a source without the replies says how to write them."""
+    u, a = "user", "assistant"
+    rows = [{"id": "x", "messages": [{"role": u, "content": "q1"}, {"role": a, "content": "r1"},
+                                     {"role": u, "content": "q2"}, {"role": a, "content": "r2"}]},
+            {"id": "y", "messages": [{"role": u, "content": "only"}, {"role": a, "content": "one"}]},
+            {"id": "z", "messages": [{"role": u, "content": "p1"}, {"role": a, "content": "s1"},
+                                     {"role": u, "content": "p2"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert bench.load_bench_prompts(str(tmp_path / "d.jsonl"), turn=2) == [rows[0]["messages"][:3],
+                                                                           rows[2]["messages"]]
+    assert bench.load_bench_prompts(str(tmp_path / "d.jsonl"), turn=2, limit=1) == [rows[0]["messages"][:3]]
+    (tmp_path / "mt.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["first", "second"]}))
+    with pytest.raises(bench.BenchError, match="--turn 2: no row of .* holds 2 user turns with the replies between "
+                                               "them; write the target's own replies first: .* --turns all"):
+        bench.load_bench_prompts(str(tmp_path / "mt.jsonl"), turn=2)
+    tok = tiny_tokenizer()
+    ids = bench.render(tok, rows[0]["messages"][:3])[0].tolist()
+    assert ids == tok.apply_chat_template(rows[0]["messages"][:3], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+
+
 def test_bigram_texts_read_a_directory_of_jsonl(tmp_path):
     chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "reply one"}]}
     (tmp_path / "a.jsonl").write_text(json.dumps(chat) + "\n")

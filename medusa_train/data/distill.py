@@ -4,27 +4,38 @@ Heads learn best from text the target itself would write (the draft is accepted 
 the target's next token), so the training set is the target's greedy (or sampled) reply to prompts like
 the ones users send. Each output row is
 
-    {"id": "...", "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": REPLY}],
-     "finish": "stop" | "length"}
+    {"id": "...", "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": REPLY}, ...],
+     "finish": "stop" | "length", "generation": {how the replies were made}}
 
-which `data.dataset` reads as chat (supervised on the reply only).
+which `data.dataset` reads as chat (supervised on the replies only).
 
-    python -m medusa_train.data.distill recipes/smollm2-135m.yaml \\
-        target.model=$(python -m medusa_train.target.prepare) --prompts default \\
-        --out runs/distill/default.jsonl --max-new-tokens 256
-    accelerate launch -m medusa_train.data.distill RECIPE --prompts data/sharegpt.json --out runs/sg.jsonl \\
-        --exclude mt_bench_question.jsonl
+    python -m medusa_train.data.distill recipes/smollm2-135m.yaml \
+        target.model=$(python -m medusa_train.target.prepare) --prompts default --out runs/distill/default.jsonl
+    python -m medusa_train.data.distill RECIPE --prompts sharegpt.json --turns all --out runs/sg.jsonl \
+        --exclude mt_bench_question.jsonl --engine vllm --vllm-python $VLLM_VENV/bin/python
 
 - Prompts: `self` (the target writes them: `medusa_train.data.self_prompts`; `--limit N` requests, filtered), `default`
   (the project's own offline pool, `medusa_train.data.prompts`), or any json/jsonl/parquet
   file, directory, glob or hub dataset whose rows hold a prompt/question/instruction, ShareGPT
-  conversations, messages or MT-Bench turns (the first user turn is the prompt).
+  conversations, messages or MT-Bench turns.
+- Turns: the first user turn is the prompt; `--turns all` answers every later user turn of a multi-turn source in
+  turn, after the conversation so far with the target's own earlier replies (the source's are never kept), one row a
+  conversation supervised on every reply; `--turns N` has the target write the user's follow-ups itself.
+- Reply length: by default what the recipe's `data.max_length` leaves after the prompt (or the conversation so
+  far), the length training keeps: a fixed `--max-new-tokens` shorter than a chat model's replies cuts them, and heads
+  then never see how replies end. The share of replies cut at their limit is printed.
 - `--exclude FILE` drops every prompt that appears in FILE (all its user turns), so benchmark prompts
   never leak into training.
-- Batched with left padding; prompts are taken in `--order` (`shortest` packs similar lengths together).
-- Resumable: rows are appended and flushed after every batch; a rerun skips ids already written.
+- Engines: `--engine transformers` (default) decodes here, batched with left padding and continuous batching, prompts
+  taken in `--order`; `--engine vllm` hands the same calls to vLLM in its own venv (`medusa_train.data.vllm_generate`),
+  the fast way on a GPU.
+- Resumable: rows are appended and flushed after every chunk; a rerun skips ids already written, and refuses to
+  mix rows made with other settings.
 - Distributed through Accelerate: each process takes every world_size-th prompt and appends to its own
-  `FILE.rankN` part; the main process merges the parts into FILE at the end (and on any later rerun).
+  `FILE.rankN` part; the main process merges the parts into FILE at the end (and on any later rerun). With
+  `--engine vllm` each process runs its own vLLM on its own GPUs (data parallel: an 8B target fits one GPU, and
+  engines that share nothing scale with their number); `--tensor-parallel-size N` spreads one vLLM over N GPUs, for a
+  target no one GPU holds.
 """
 
 from __future__ import annotations
@@ -191,7 +202,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     job (so a rerun picks the same ones). With `world_size > 1` this process takes every world_size-th
     prompt of the job and appends to `out.rank{rank}`; call `merge_parts(out)` on one process afterwards.
     Returns counts: `job` (prompts in the job), `done_before`, `written` (by this process), `too_long`, `replies`
-    and `cut` (replies written, and those that hit their limit).
+    and `cut` (replies written, and those that hit their limit), `new_tokens` (the replies' tokens).
     `row_extra` is recorded in every row written (self-written prompts say so).
 
     Reply length: `max_new_tokens` tokens, or with `max_new_tokens=None` as many as `max_length` (the recipe's
@@ -240,7 +251,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     todo = [i for i in job[rank::world_size] if not finished(i)]
     target = out if world_size == 1 else _part_path(out, rank)
     _repair_tail(target)
-    written = replies_written = cut = 0
+    written = replies_written = cut = new_tokens = 0
     by_turns: dict[int, int] = {}
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
                dynamic_ncols=True)
@@ -268,13 +279,15 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
                 break
             more = generate_replies(model, tokenizer, [g[2] for g in go], [room(len(g[2])) for g in go], temperature,
                                     top_p, batch_size, [seeds[k] + t for k, _, _ in go])
-            for (k, q, _), (text, finish, _) in zip(go, more):
+            for (k, q, _), (text, finish, n) in zip(go, more):
                 convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
                 ends[k] = finish
                 cut += finish == "length"
+                new_tokens += n
             replies_written += len(go)
         replies_written += len(batch)
         cut += sum(finish == "length" for _, finish, _ in replies)
+        new_tokens += sum(n for _, _, n in replies)
         rows = [{"id": kept[i].id, "messages": conv, "finish": finish, "generation": settings, **(row_extra or {})}
                 for i, conv, finish in zip(batch, convs, ends)]
         for conv in convs:
@@ -286,7 +299,7 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
             "too_long": too_long, "turns_written": dict(sorted(by_turns.items())), "replies": replies_written,
-            "cut": cut}
+            "cut": cut, "new_tokens": new_tokens}
 
 
 def generation_settings(max_new_tokens: int | None, temperature: float, top_p: float, turns: Turns = 1,
