@@ -376,3 +376,73 @@ def test_cli_says_the_share_of_replies_cut_and_refuses_bad_turns(tmp_path, capsy
     assert "--turns takes a number or `all`, got 'some'" in capsys.readouterr().err
     assert D.main(base + ["--engine", "vllm"]) == 2
     assert "--engine vllm needs --vllm-python" in capsys.readouterr().err
+
+
+FAKE_VLLM = '''
+class SamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class LLM:
+    """Replies 100, 101, ... up to max_tokens, stopping after a stop id; records what it was given."""
+    def __init__(self, **kw):
+        import json, os
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"llm": {k: v for k, v in kw.items() if isinstance(v, (int, str, bool))}}) + "\\n")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        import json, os
+        from types import SimpleNamespace as NS
+        outs = []
+        for p, sp in zip(prompts, params):
+            ids = []
+            for t in range(100, 100 + sp.max_tokens):
+                ids.append(t)
+                if t in sp.stop_token_ids:
+                    break
+            outs.append(NS(outputs=[NS(token_ids=ids)]))
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"lengths": [len(p["prompt_token_ids"]) for p in prompts],
+                                "max_tokens": [sp.max_tokens for sp in params], "seeds": [sp.seed for sp in params],
+                                "ignore_eos": [sp.ignore_eos for sp in params]}) + "\\n")
+        return outs
+
+__version__ = "fake"
+'''
+
+
+def test_the_vllm_worker_protocol_with_a_stand_in_vllm(tmp_path, monkeypatch):
+    """`VllmTarget` and its worker, run with a stand-in `vllm` module (the real one runs in the vLLM step): replies
+    come back in prompt order cut before the first stop id, each limited to what max_model_len leaves after its
+    prompt (a prompt with no room is not sent), seeds only when sampling, vLLM's own EOS ignored; a worker that
+    dies says so in one line."""
+    import sys
+
+    from medusa_train.data.vllm_generate import VllmTarget
+
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    save_tiny(tmp_path / "m")
+    worker = VllmTarget(str(tmp_path / "m"), sys.executable, dtype="float32", max_model_len=20, max_num_seqs=7)
+    try:
+        got = list(worker.generate_tokens([[1] * 5, [1] * 18, [1] * 20, [1] * 3], [4, 9, 9, 0], [102, 7], 0.0, 1.0,
+                                          None))
+        assert got == [(0, [100, 101], True), (1, [100, 101], False), (2, [], False), (3, [], False)]
+        got = list(worker.generate_tokens([[1] * 5, [1] * 17], [2, 9], [7], 0.9, 0.5, [11, 12]))
+        assert got == [(0, [100, 101], False), (1, [100, 101, 102], False)]
+    finally:
+        worker.close()
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["llm"] == {"model": str(tmp_path / "m"), "dtype": "float32", "tensor_parallel_size": 1, "seed": 0,
+                               "max_model_len": 20, "max_num_seqs": 7, "generation_config": "vllm",
+                               "enforce_eager": True, "trust_remote_code": False, "enable_chunked_prefill": False,
+                               "max_num_batched_tokens": 8192}
+    assert calls[1] == {"lengths": [5, 18], "max_tokens": [4, 2], "seeds": [None, None], "ignore_eos": [True, True]}
+    assert calls[2] == {"lengths": [5, 17], "max_tokens": [2, 3], "seeds": [11, 12], "ignore_eos": [True, True]}
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text("raise ImportError('no vLLM here')\n")
+    with pytest.raises(RuntimeError, match=r"^vLLM's generation worker stopped \(exit code 1\); its output is above$"):
+        VllmTarget(str(tmp_path / "m"), sys.executable, max_model_len=20)

