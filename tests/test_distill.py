@@ -446,3 +446,28 @@ def test_the_vllm_worker_protocol_with_a_stand_in_vllm(tmp_path, monkeypatch):
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text("raise ImportError('no vLLM here')\n")
     with pytest.raises(RuntimeError, match=r"^vLLM's generation worker stopped \(exit code 1\); its output is above$"):
         VllmTarget(str(tmp_path / "m"), sys.executable, max_model_len=20)
+
+
+def test_each_process_runs_its_own_vllm_on_its_own_gpus(tmp_path, monkeypatch):
+    """Under several processes each starts its own vLLM, on the GPUs of its local rank (`--tensor-parallel-size` of
+    them); one process leaves CUDA_VISIBLE_DEVICES alone. vLLM is sized to the longest context the run asks for."""
+    from types import SimpleNamespace as NS
+
+    from medusa_train.config import load_config
+    from medusa_train.data import vllm_generate
+
+    save_tiny(tmp_path / "m")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\ndata:\n  max_length: 300\n")
+    cfg = load_config(str(recipe), ["data.dataset=x"])
+    made = []
+    monkeypatch.setattr(vllm_generate, "VllmTarget", lambda model, python, **kw: made.append(kw) or NS())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = D.build_parser().parse_args([str(recipe), "--prompts", "default", "--out", "o", "--engine", "vllm",
+                                        "--vllm-python", "py", "--tensor-parallel-size", "2"])
+    D.load_engine(cfg, args, NS(num_processes=4, local_process_index=1))
+    D.load_engine(cfg, args, NS(num_processes=1, local_process_index=0))
+    args.max_new_tokens = 64
+    D.load_engine(cfg, args, NS(num_processes=1, local_process_index=0))
+    assert [(m["devices"], m["tensor_parallel_size"], m["max_model_len"], m["dtype"]) for m in made] == [
+        ("2,3", 2, 300, "bfloat16"), (None, 2, 300, "bfloat16"), (None, 2, 512, "bfloat16")]  # 1024 + 64 > 512
