@@ -530,25 +530,12 @@ def load_engine(cfg, args: argparse.Namespace, accelerator):
 
     if args.engine == "transformers":
         return load_target(cfg.target, device=accelerator.device)
-    import torch
-
-    from .vllm_generate import VllmTarget
+    from .vllm_generate import start_for
 
     longest = cfg.data.max_length if args.max_new_tokens is None else args.max_prompt_tokens + args.max_new_tokens
-    try:
-        positions = json.loads((Path(cfg.target.model) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        positions = None
-    tp = args.tensor_parallel_size
-    devices = None
-    if accelerator.num_processes > 1 and torch.cuda.is_available():
-        first = accelerator.local_process_index * tp
-        devices = ",".join(str(first + j) for j in range(tp))
-    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
-    model = VllmTarget(cfg.target.model, args.vllm_python, dtype=dtype, tensor_parallel_size=tp,
-                       max_model_len=min(longest, positions or longest), max_num_seqs=args.batch_size,
-                       seed=args.seed, trust_remote_code=cfg.target.trust_remote_code, devices=devices)
-    return model, load_tokenizer(cfg.target)
+    return start_for(cfg.target, args.vllm_python, longest=longest, tensor_parallel_size=args.tensor_parallel_size,
+                     max_num_seqs=args.batch_size, seed=args.seed, processes=accelerator.num_processes,
+                     local_rank=accelerator.local_process_index), load_tokenizer(cfg.target)
 
 
 def _interrupt(signum, frame) -> None:

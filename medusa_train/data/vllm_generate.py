@@ -112,6 +112,26 @@ class VllmTarget:
                 return
 
 
+def start_for(target, vllm_python: str, *, longest: int, tensor_parallel_size: int = 1, max_num_seqs: int = 256,
+              seed: int = 0, processes: int = 1, local_rank: int = 0) -> VllmTarget:
+    """vLLM for a recipe's `target` section: sized to the `longest` context the run asks for (never past the model's
+    positions), in the target's dtype (auto: bfloat16 on a GPU, else float32, as our loader), on the GPUs of this
+    process's local rank when there are several processes (each its own vLLM: data parallel)."""
+    import torch
+
+    try:
+        positions = json.loads((Path(target.model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    devices = None
+    if processes > 1 and torch.cuda.is_available():
+        devices = ",".join(str(local_rank * tensor_parallel_size + j) for j in range(tensor_parallel_size))
+    dtype = target.dtype if target.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    return VllmTarget(target.model, vllm_python, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                      max_model_len=min(longest, positions or longest), max_num_seqs=max_num_seqs, seed=seed,
+                      trust_remote_code=target.trust_remote_code, devices=devices)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The worker, in vLLM's venv
 
