@@ -11,8 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the directory holding mt_bench_question.jsonl}"
-WORK=${WORK:-runs/turns} N=${N:-128} STEPS=${STEPS:-400} LIMIT=${LIMIT:-40} DTYPE=${DTYPE:-float32}
-ENGINE=${ENGINE:-} TOKENS=${TOKENS:-96}
+WORK=${WORK:-runs/turns} N=${N:-128} STEPS=${STEPS:-160} LIMIT=${LIMIT:-40} DTYPE=${DTYPE:-float32}
+ENGINE=${ENGINE:-} TOKENS=${TOKENS:-48}
 MTBENCH="$DATA/mt_bench_question.jsonl"
 T=$(python -m medusa_train.target.prepare)
 mkdir -p "$WORK"
