@@ -9,9 +9,9 @@ the ones users send. Each output row is
 
 which `data.dataset` reads as chat (supervised on the replies only).
 
-    python -m medusa_train.data.distill recipes/smollm2-135m.yaml \
+    python -m medusa_train.data.distill recipes/smollm2-135m.yaml \\
         target.model=$(python -m medusa_train.target.prepare) --prompts default --out runs/distill/default.jsonl
-    python -m medusa_train.data.distill RECIPE --prompts sharegpt.json --turns all --out runs/sg.jsonl \
+    python -m medusa_train.data.distill RECIPE --prompts sharegpt.json --turns all --out runs/sg.jsonl \\
         --exclude mt_bench_question.jsonl --engine vllm --vllm-python $VLLM_VENV/bin/python
 
 - Prompts: `self` (the target writes them: `medusa_train.data.self_prompts`; `--limit N` requests, filtered), `default`
