@@ -160,12 +160,18 @@ def test_default_pool_is_offline_and_disjoint_from_heldout():
     assert [p.text for p in P.load_prompts("default")] == [t for _, t in train]
 
 
-def test_cli(tmp_path, capsys):
+def cli_files(tmp_path, prompts: list[tuple[str, str]], data: str = ""):
+    """A tiny saved target, a prompt file of (id, prompt) rows and a recipe (with `data:` keys when given) for the
+    CLI: (recipe, prompt file)."""
     save_tiny(tmp_path / "m")
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": t})
-                                                for i, t in [("x", "hello"), ("y", "bye")]))
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": t}) for i, t in prompts))
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\ndata:\n  dataset: {tmp_path / 'not-yet.jsonl'}\n")
+    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n" + (f"data:\n  {data}\n" if data else ""))
+    return recipe, tmp_path / "p.jsonl"
+
+
+def test_cli(tmp_path, capsys):
+    recipe, _ = cli_files(tmp_path, [("x", "hello"), ("y", "bye")], f"dataset: {tmp_path / 'not-yet.jsonl'}")
     out = tmp_path / "o.jsonl"
     assert D.main([str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
                    "--max-new-tokens", "3"]) == 0
@@ -201,10 +207,7 @@ def test_rows_with_unicode_line_separators_stay_whole(tmp_path):
 def test_a_rerun_with_other_settings_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     """Rows record how their reply was made; a rerun into the same --out with another --max-new-tokens (or
     temperature) would mix replies of both lengths in one file: one line, exit 2, before the model loads."""
-    save_tiny(tmp_path / "m")
-    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "x", "prompt": "hello"}))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n")
+    recipe, _ = cli_files(tmp_path, [("x", "hello")])
     out = tmp_path / "o.jsonl"
     base = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
     assert D.main(base + ["--max-new-tokens", "3"]) == 0
@@ -225,11 +228,7 @@ def test_ctrl_c_stops_with_what_was_written_and_no_traceback(tmp_path, capsys, m
     import os
     import signal
 
-    save_tiny(tmp_path / "m")
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": f"prompt {i}"})
-                                                for i in range(6)))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\n")
+    recipe, _ = cli_files(tmp_path, [(f"q{i}", f"prompt {i}") for i in range(6)])
     out = tmp_path / "o.jsonl"
     argv = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "2",
             "--batch-size", "1"]  # chunks of D.CHUNK (4) prompts: 4, then 2
@@ -353,11 +352,7 @@ def test_replies_fill_what_the_recipes_max_length_leaves(tmp_path, monkeypatch):
 
 
 def test_cli_says_the_share_of_replies_cut_and_refuses_bad_turns(tmp_path, capsys):
-    save_tiny(tmp_path / "m")
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"id": i, "prompt": t})
-                                                for i, t in [("x", "hello"), ("y", "bye")]))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"target:\n  model: {tmp_path / 'm'}\ndata:\n  max_length: 40\n")
+    recipe, _ = cli_files(tmp_path, [("x", "hello"), ("y", "bye")], "max_length: 40")
     out = tmp_path / "o.jsonl"
     base = [str(recipe), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
     assert D.main(base) == 0
