@@ -169,8 +169,12 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW on every parameter. `muon`: Muon (torch.optim.Muon: momentum 0.95, Newton-Schulz orthogonalized
+    updates, its lr scaled to AdamW's update size so that `lr` means the same) on the heads' hidden weight matrices,
+    AdamW on the rest (norm scales, biases, embeddings, vocabulary projections), as speculators trains; one schedule."""
     weight_decay: float = 0.0
-    """AdamW's decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
+    """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
