@@ -4,6 +4,8 @@
     python scripts/vs_speculators.py prepare OUT --val VAL.jsonl -- RECIPE [overrides]   # our venv
     SPEC/bin/python scripts/vs_speculators.py train -- [speculators train flags]          # speculators' venv
     python scripts/vs_speculators.py import CHECKPOINT OUT --target T                      # our venv
+    python scripts/vs_speculators.py split VLLM.json WORK         # vllm_serve_bench.py results, a file a drafter
+    python scripts/vs_speculators.py table WORK EPOCHS NAME...    # the comparison: WORK/result.json and a table
 
 `prepare` writes what `speculators train` reads, from exactly the rows our trainer trains on for RECIPE and its
 overrides (`medusa_train.data.rows.build_datasets`: same tokens, same assistant mask): OUT/ holds the dataset
@@ -99,6 +101,66 @@ def import_checkpoint(checkpoint: str, out: str, target: str) -> None:
     print(f"imported {checkpoint} into {out}")
 
 
+def split(results: str, work: Path) -> None:
+    """One file a drafter (WORK/vllm-NAME.json) from a vllm_serve_bench run, so a later run measures new ones only."""
+    data = json.loads(Path(results).read_text())
+    run = data["runs"][0]
+    for name in run["identical"]:
+        keep = {k: run[name][k] for k in ("drafts", "accepted", "mean_acceptance_length", "acceptance_per_position")}
+        keep |= {"identical": run["identical"][name], "prompts": data["prompts"], "batch": run["batch"],
+                 "max_tokens": data["max_tokens"], "vllm": data["vllm"]}
+        (work / f"vllm-{name}.json").write_text(json.dumps(keep, indent=2))
+
+
+def steps_and_tokens(work: Path, name: str, epochs: int) -> tuple[int, float]:
+    """(optimizer steps, tokens a step) of a run: ours from its metrics.jsonl, theirs from the training state of its
+    last checkpoint (its tokens: the prepared rows', once an epoch)."""
+    metrics = work / name / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        last = max((r for r in rows if "train/tokens" in r), key=lambda r: r["step"])
+        return last["step"], last["train/tokens"] / last["step"]
+    steps = json.loads((work / name / str(epochs - 1) / "training_state.json").read_text())["global_step"]
+    tokens = json.loads((work / "theirs-data" / "prepared.json").read_text())["tokens"]
+    return steps, tokens * epochs / steps
+
+
+def table(work: Path, epochs: int, names: list[str]) -> None:
+    rows = []
+    for name in names:
+        v = json.loads((work / f"vllm-{name}.json").read_text())
+        steps, per_step = steps_and_tokens(work, name, epochs)
+        seconds = work / f"{name}.seconds"
+        rows.append({"name": name, "trainer": "speculators" if name.startswith("theirs") else "ours",
+                     "steps": steps, "tokens_per_step": round(per_step),
+                     "train_seconds": float(seconds.read_text().split()[-1]) if seconds.is_file() else None,
+                     "mean_acceptance_length": v["mean_acceptance_length"],
+                     "acceptance_per_position": v["acceptance_per_position"], "drafts": v["drafts"],
+                     "identical": f"{v['identical']}/{v['prompts']}"})
+    best = {who: max((r for r in rows if r["trainer"] == who), key=lambda r: r["mean_acceptance_length"], default=None)
+            for who in ("ours", "speculators")}
+    ours = [r for r in rows if r["trainer"] == "ours"]
+    pairs = [(t["name"], min(ours, key=lambda r: abs(r["steps"] - t["steps"]))["name"])
+             for t in rows if t["trainer"] == "speculators" and ours]
+    (work / "result.json").write_text(json.dumps({"runs": rows, "best": {k: v and v["name"] for k, v in best.items()},
+                                                  "nearest_steps": pairs}, indent=2))
+    print("| drafter | trainer | optimizer steps | tokens a step | vLLM mean acceptance length | "
+          "acceptance at positions 1, 2, 3 | outputs identical to plain |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        pos = ", ".join(f"{100 * a:.1f}%" for a in r["acceptance_per_position"])
+        print(f"| {r['name']} | {r['trainer']} | {r['steps']} | {r['tokens_per_step']:,} | "
+              f"{r['mean_acceptance_length']:.3f} | {pos} | {r['identical']} |")
+    if best["ours"] and best["speculators"]:
+        o, t = best["ours"], best["speculators"]
+        print(f"best against best: {o['name']} {o['mean_acceptance_length']:.3f}, {t['name']} "
+              f"{t['mean_acceptance_length']:.3f} ({o['mean_acceptance_length'] - t['mean_acceptance_length']:+.3f})")
+    for theirs, ours_name in pairs:
+        a, b = (next(r for r in rows if r["name"] == n) for n in (ours_name, theirs))
+        print(f"nearest steps: {ours_name} ({a['steps']}) {a['mean_acceptance_length']:.3f} against {theirs} "
+              f"({b['steps']}) {b['mean_acceptance_length']:.3f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -112,11 +174,22 @@ def main() -> int:
     pi.add_argument("checkpoint")
     pi.add_argument("out")
     pi.add_argument("--target", required=True)
+    ps = sub.add_parser("split")
+    ps.add_argument("results")
+    ps.add_argument("work", type=Path)
+    pt2 = sub.add_parser("table")
+    pt2.add_argument("work", type=Path)
+    pt2.add_argument("epochs", type=int)
+    pt2.add_argument("names", nargs="+")
     args = p.parse_args()
     if args.cmd == "prepare":
         prepare(args.out, args.val, args.recipe)
     elif args.cmd == "train":
         train([a for a in args.flags if a != "--"])
+    elif args.cmd == "split":
+        split(args.results, args.work)
+    elif args.cmd == "table":
+        table(args.work, args.epochs, args.names)
     else:
         import_checkpoint(args.checkpoint, args.out, args.target)
     return 0
