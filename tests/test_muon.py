@@ -57,9 +57,11 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_vocabulary_and_the_vectors
     assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0]  # vectors are never decayed
 
 
-def test_each_step_is_torchs_muon_on_the_matrices_and_torchs_adamw_on_the_rest():
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, None])
+def test_each_step_is_torchs_muon_on_the_matrices_and_torchs_adamw_on_the_rest(ns_dtype):
     """Three steps of MuonAdamW under a schedule, saved and loaded halfway, against torch.optim.Muon (lr matched to
-    AdamW's update RMS) and torch.optim.AdamW run side by side on copies: the same weights."""
+    AdamW's update RMS) and torch.optim.AdamW run side by side on copies: the same weights, with the Newton-Schulz
+    iteration in bfloat16 as torch runs it; in float32 (ours on a CPU) within bfloat16's rounding of them."""
     from tiny import tiny_model
 
     heads = DraftHeads.for_target(tiny_model(), "eagle3", 3, draft_ids=torch.arange(0, 260, 2))
@@ -68,7 +70,7 @@ def test_each_step_is_torchs_muon_on_the_matrices_and_torchs_adamw_on_the_rest()
             p.add_(0.01 * torch.randn_like(p))
     ref, start = copy.deepcopy(heads), copy.deepcopy(heads)
     lr, wd, half = 0.02, 0.1, (lambda step: 0.5 ** step)
-    opt = MuonAdamW(param_groups(heads, wd, muon=True), lr=lr)
+    opt = MuonAdamW(param_groups(heads, wd, muon=True), lr=lr, ns_dtype=ns_dtype)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [half] * len(opt.param_groups))
     groups = param_groups(ref, wd, muon=True)
     muon = torch.optim.Muon(groups[0]["params"], lr=lr, weight_decay=wd, momentum=0.95, adjust_lr_fn="match_rms_adamw")
@@ -87,13 +89,18 @@ def test_each_step_is_torchs_muon_on_the_matrices_and_torchs_adamw_on_the_rest()
             s.step()
         if step == 0:  # a checkpoint: a fresh optimizer and schedule take the saved states
             state, sched_state = copy.deepcopy(opt.state_dict()), sched.state_dict()
-            opt = MuonAdamW(param_groups(heads, wd, muon=True), lr=lr)
+            opt = MuonAdamW(param_groups(heads, wd, muon=True), lr=lr, ns_dtype=ns_dtype)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, [half] * len(opt.param_groups))
             opt.load_state_dict(state)
             sched.load_state_dict(sched_state)
     assert all(not torch.equal(p, p0) for p, p0 in zip(heads.parameters(), start.parameters()) if p.requires_grad)
+    muon_ids = {id(p) for p in muon_matrices(heads)}
     for (name, p), q in zip(heads.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+        # bfloat16 keeps 8 bits: the float32 iteration lands within a few of its roundings of an lr-sized update
+        atol = 1e-6 if ns_dtype is not None or id(p) not in muon_ids else 0.05 * lr
+        torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=name)
+    if ns_dtype is None:  # and it is not bfloat16's: the float32 iteration ran
+        assert any(not torch.equal(p, q) for p, q in zip(muon_matrices(heads), muon_matrices(ref)))
 
 
 def test_a_muon_run_resumes_where_it_stopped_and_differs_from_adamw(ws):

@@ -59,15 +59,33 @@ def muon_matrices(module: torch.nn.Module) -> list[torch.nn.Parameter]:
             and m.weight.requires_grad and min(m.weight.shape) > 1]
 
 
+def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Muon's Newton-Schulz iteration (Keller Jordan's quintic, torch.optim.Muon's coefficients): the update with its
+    singular values pushed towards 1, its shape and directions kept."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.to(dtype)
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x if wide else x.T).to(update.dtype)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the groups marked `muon`, AdamW on the others, as one optimizer: one state dict, one lr a group, what
-    Accelerate, checkpoints and LambdaLR take. The updates are torch's own: a torch.optim.Muon (its lr matched to
-    AdamW's update RMS, `match_rms_adamw`, so one lr serves both) and a torch.optim.AdamW, built over this optimizer's
-    group dicts (the schedule's lr reaches them) and keeping their state in this optimizer's `state`; they are rebuilt
+    Accelerate, checkpoints and LambdaLR take. Muon's update is torch.optim.Muon's (Nesterov momentum 0.95, 5
+    Newton-Schulz steps, decoupled weight decay, lr scaled by 0.2 sqrt(max(rows, cols)) to match AdamW's update RMS,
+    so one lr serves both), with its iteration in bfloat16 on a GPU as torch's and in float32 elsewhere (a CPU without
+    AMX runs bfloat16 matrix products ~20x slower than float32 ones); AdamW's is a torch.optim.AdamW built over this
+    optimizer's group dicts (the schedule's lr reaches it), its state kept in this optimizer's `state`, rebuilt
     whenever the groups are (load_state_dict)."""
 
-    def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float = MUON_MOMENTUM):
-        super().__init__(groups, {"lr": lr, "muon": False, "muon_momentum": momentum})
+    def __init__(self, groups: list[dict[str, Any]], lr: float, momentum: float = MUON_MOMENTUM,
+                 ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
+        super().__init__(groups, {"lr": lr, "muon": False, "momentum": momentum, "ns_steps": ns_steps})
+        self.ns_dtype = ns_dtype
         self._link()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -75,16 +93,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self._link()
 
     def _link(self) -> None:
-        muon = [g for g in self.param_groups if g["muon"]]
         adamw = [g for g in self.param_groups if not g["muon"]]
-        self.parts: list[torch.optim.Optimizer] = []
-        if muon:
-            self.parts.append(torch.optim.Muon(muon, lr=muon[0]["lr"], momentum=muon[0]["muon_momentum"],
-                                               adjust_lr_fn="match_rms_adamw"))
-        if adamw:
-            self.parts.append(torch.optim.AdamW(adamw, lr=adamw[0]["lr"]))
-        for part in self.parts:
-            part.state = self.state
+        self.adamw = torch.optim.AdamW(adamw, lr=adamw[0]["lr"]) if adamw else None
+        if self.adamw is not None:
+            self.adamw.state = self.state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,8 +104,22 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self.parts:
-            part.step()
+        for group in self.param_groups:
+            if not group["muon"]:
+                continue
+            lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - m)
+                update = p.grad.lerp(buf, m)  # Nesterov
+                dtype = self.ns_dtype or (torch.bfloat16 if p.is_cuda else torch.float32)
+                update = orthogonalize(update, group["ns_steps"], dtype)
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        if self.adamw is not None:
+            self.adamw.step()
         return loss
 
 
