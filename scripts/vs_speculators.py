@@ -14,8 +14,9 @@ supervised tokens' counts, from which it picks its draft vocabulary) and `hidden
 target's states at the aux layers and its last layer's output before the final norm, in the target dtype of the
 recipe). `train` runs `speculators train` on a machine without an accelerator: its trainer moves the model and each
 batch to the local rank (a CUDA index), autocasts for "cuda" when no accelerator is found and synchronizes the
-accelerator in its step timer; the shim points the first two at the CPU, makes the third a no-op and changes nothing
-else. `import` turns a checkpoint it wrote into our heads directory, so our engine
+accelerator in its step timer; the shim points the first two at the CPU, makes the third a no-op, runs Muon's
+Newton-Schulz iteration in float32 as our trainer does off a GPU (torch's bfloat16 one crawls on a CPU without AMX)
+and changes nothing else. `import` turns a checkpoint it wrote into our heads directory, so our engine
 drafts with it (`medusa_train.kinds.eagle3.import_speculators`).
 """
 
@@ -88,6 +89,15 @@ def train(argv: list[str]) -> None:
     trainer.Trainer.__init__ = cpu_init
     if not torch.accelerator.is_available():  # its step timer synchronizes the accelerator at every mark
         torch.accelerator.synchronize = lambda *args, **kwargs: None
+        # torch.optim.Muon's Newton-Schulz iteration runs in bfloat16, ~20x slower than float32 on a CPU without AMX
+        # (~25 s an EAGLE-3 step here): the same iteration in float32, as our trainer runs it off a GPU
+        import torch.optim._muon as muon
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repo, for our trainer's iteration
+        from medusa_train.train.optim import orthogonalize
+
+        muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: orthogonalize(
+            grad, steps, torch.float32)
     main(TrainConfig.resolve(argv))
 
 
