@@ -26,6 +26,9 @@ from .kinds import KINDS
 
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
+MUON_KINDS = ("eagle3",)
+"""The head kinds `train.optimizer: auto` trains with Muon."""
+
 
 @dataclass
 class LoraSettings:
@@ -169,10 +172,12 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """`adamw`: AdamW on every parameter. `muon`: Muon (torch.optim.Muon: momentum 0.95, Newton-Schulz orthogonalized
-    updates, its lr scaled to AdamW's update size so that `lr` means the same) on the heads' hidden weight matrices,
-    AdamW on the rest (norm scales, biases, embeddings, vocabulary projections), as speculators trains; one schedule."""
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """`adamw`: AdamW on every parameter. `muon`: Muon (torch.optim.Muon's update: momentum 0.95, Newton-Schulz
+    orthogonalized, its lr scaled to AdamW's update size so that `lr` means the same) on the heads' hidden weight
+    matrices, AdamW on the rest (norm scales, biases, embeddings, vocabulary projections), as speculators trains; one
+    schedule. `auto`: muon for the kinds in MUON_KINDS, where it measured ahead (docs/results.md, "Our EAGLE-3 trainer
+    against speculators'"), adamw for the others; resolved when the recipe loads, so recipe.yaml records which."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
@@ -324,6 +329,8 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size=world_size)
+    if cfg.train.optimizer == "auto":
+        cfg.train.optimizer = "muon" if cfg.heads.kind in MUON_KINDS else "adamw"
     return cfg
 
 

@@ -113,3 +113,22 @@ def test_a_muon_run_resumes_where_it_stopped_and_differs_from_adamw(ws):
     assert max_diff(ws / "muon12", ws / "adamw12") > 1e-3
     with pytest.raises(ConfigError, match=r"train.optimizer='adamw' \(the checkpoint has 'muon'\)"):
         train(config(ws, "resumed", "train.max_steps=14", "train.optimizer=adamw"))
+
+
+def test_auto_trains_eagle3_with_muon_and_a_checkpoint_from_before_the_key_resumes_with_adamw(ws, tmp_path):
+    """train.optimizer: auto resolves when the recipe loads (recipe.yaml records which); a checkpoint whose recipe has
+    no train.optimizer (written before it existed, with AdamW) is refused by a run that would load its AdamW state
+    into Muon, naming the key, and taken by one with train.optimizer=adamw."""
+    import yaml
+
+    from medusa_train.train.checkpoints import RECIPE_NAME, check_resumable
+
+    assert config(ws, "auto", "train.optimizer=auto").train.optimizer == "muon"
+    chained = config(ws, "auto", "train.optimizer=auto", "heads.kind=chained", "heads.draft_vocab_size=0")
+    assert chained.train.optimizer == "adamw"
+    old = config(ws, "old", "train.optimizer=adamw").to_dict()
+    del old["train"]["optimizer"]
+    (tmp_path / RECIPE_NAME).write_text(yaml.safe_dump(old))
+    with pytest.raises(ConfigError, match=r"train.optimizer='muon' \(the checkpoint has 'adamw'\)"):
+        check_resumable(config(ws, "old", "train.optimizer=auto"), tmp_path)
+    assert check_resumable(config(ws, "old", "train.optimizer=adamw"), tmp_path) == []

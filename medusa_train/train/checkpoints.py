@@ -174,6 +174,7 @@ def check_resumable(cfg: Config, ckpt: Path) -> list[str]:
     if not saved_path.is_file():
         return []
     flat_saved, flat_now = _flatten(yaml.safe_load(saved_path.read_text()) or {}), _flatten(cfg.to_dict())
+    flat_saved.setdefault("train.optimizer", "adamw")  # a recipe from before train.optimizer trained with AdamW
     changed = [k for k in flat_now if k in flat_saved and flat_saved[k] != flat_now[k]]
     resized = _same_steps_on_other_processes(ckpt, flat_saved, flat_now)
     refused = [k for k in changed if not any(k == a or (a.endswith(".") and k.startswith(a))
