@@ -150,8 +150,8 @@ def table(work: Path, epochs: int, names: list[str]) -> None:
     best = {who: max((r for r in rows if r["trainer"] == who), key=lambda r: r["mean_acceptance_length"], default=None)
             for who in ("ours", "speculators")}
     ours = [r for r in rows if r["trainer"] == "ours"]
-    pairs = [(t["name"], min(ours, key=lambda r: abs(r["steps"] - t["steps"]))["name"])
-             for t in rows if t["trainer"] == "speculators" and ours]
+    pairs = [(t["name"], r["name"]) for t in rows if t["trainer"] == "speculators" and ours for r in ours
+             if abs(r["steps"] - t["steps"]) == min(abs(o["steps"] - t["steps"]) for o in ours)]
     (work / "result.json").write_text(json.dumps({"runs": rows, "best": {k: v and v["name"] for k, v in best.items()},
                                                   "nearest_steps": pairs}, indent=2))
     print("| drafter | trainer | optimizer steps | tokens a step | vLLM mean acceptance length | "

