@@ -35,18 +35,16 @@ def param_groups(module: torch.nn.Module, weight_decay: float, muon: bool = Fals
     """The optimizer's parameter groups: weight decay on matrices only. Biases and norm scales (1-D) are
     not pulled towards 0, which for a norm scale would shrink everything after it. With no decay, one
     group, as checkpoints written before the split hold. With `muon`, the hidden weight matrices (`muon_matrices`)
-    form a group of their own first, marked `muon: True`."""
-    params = [p for p in module.parameters() if p.requires_grad]
+    form a group of their own first, marked `muon: True` (MuonAdamW marks every other group False)."""
     hidden = muon_matrices(module) if muon else []
-    params = [p for p in params if all(p is not h for h in hidden)]
+    params = [p for p in module.parameters() if p.requires_grad and all(p is not h for h in hidden)]
     if not weight_decay:
         groups = [{"params": params, "weight_decay": 0.0}]
     else:
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     if muon:
-        groups = [{"params": hidden, "weight_decay": weight_decay, "muon": True},
-                  *(g | {"muon": False} for g in groups)]
+        groups.insert(0, {"params": hidden, "weight_decay": weight_decay, "muon": True})
     return [g for g in groups if g["params"]]
 
 
@@ -129,8 +127,7 @@ def build_optimizer(cfg: Config, heads: torch.nn.Module, adapters: torch.nn.Modu
     muon = cfg.train.optimizer == "muon"
     groups = param_groups(heads, cfg.train.weight_decay, muon)
     if adapters is not None:
-        groups.append({"params": list(adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0}
-                      | ({"muon": False} if muon else {}))
+        groups.append({"params": list(adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0})
     optimizer = MuonAdamW(groups, lr=cfg.train.lr) if muon else torch.optim.AdamW(groups, lr=cfg.train.lr)
     shape = dict(warmup_steps=cfg.train.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.train.min_lr_ratio)
     schedules = [partial(warmup_cosine, **shape)] * len(groups)
