@@ -31,14 +31,14 @@ from torch import nn
 
 from ..base.errors import ConfigError
 from ..target.model import text_config
-from .attention import masked_attention
+from .attention import Prefix, attention
 from .heads import Drafting, Export, ExportSource, HeadsSpec, TargetLayersOptions, register
 from .speculators import (SpeculatorHeads, apply_rotary, init_draft, llama_layer_config, speculators_common,
                           speculators_source_tensors, speculators_tensors)
 
 Cache = list  # per layer: (keys, values) of the committed positions, each [kv_heads, P, head_dim]
 
-ANCHOR_CHUNK = 32  # blocks per attention call when every position is an anchor (evaluation): bounds the mask
+ANCHOR_CHUNK = 32  # blocks a pass when every position is an anchor (evaluation): bounds the activations
 DEFAULT_ANCHORS = 64  # blocks per row per step: docs/results.md, "The dflash kind"
 
 
@@ -144,22 +144,35 @@ class DFlashLayer(nn.Module):
         return apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The block x [B, Q, d] at rotary cos/sin [B, Q, hd], attending to the context's keys/values [B, Hkv, P, hd]
-        and to its own; `mask` [B, 1, Q, P + Q] (None: everything)."""
+                ctx_v: torch.Tensor, sees: Prefix | None) -> torch.Tensor:
+        """Blocks x [B, Q, d] at rotary cos/sin [B, Q, hd] (Q = n blocks of S), attending to the context's keys/values
+        [B, Hkv, P, hd] as `sees` lets each row (None: one block seeing every context position) and to their own
+        block's."""
         B, Q, _ = x.shape
         attn = self.self_attn
         y = self.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(y).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.kv(y, cos, sin)
-        keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        if mask is None:  # drafting: one block that sees every cached position and itself
+        if sees is None:  # drafting: one block that sees every cached position and itself
+            keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
             a = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=True)
-        else:  # training's anchored blocks (kinds/attention.py: no [Q, P + Q] scores kept on a GPU)
-            a = masked_attention(q, keys, values, lambda lo, hi: mask[:, :, lo:hi], self.scaling)
+        else:  # training's anchored blocks (kinds/attention.py: the context by a kernel, each block's own merged in)
+            n = Q // sees.block
+            own = [(k.reshape(B, self.num_kv_heads, n, sees.block, self.head_dim),
+                    v.reshape(B, self.num_kv_heads, n, sees.block, self.head_dim))]
+            a = attention(q, ctx_k, ctx_v, self.scaling, sees.prefix, own)
         x = x + attn.o_proj(a.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSight:
+    """What training's blocks see: `prefix` of the context (row r: context j <= its anchor, real), and their own block
+    of `block` rows."""
+
+    prefix: Prefix
+    block: int
 
 
 class DFlashDraft(nn.Module):
@@ -195,11 +208,11 @@ class DFlashDraft(nn.Module):
         return torch.cat([anchor_embeds[..., None, :], masks], dim=-2)
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   sees: BlockSight | None) -> torch.Tensor:
         """The layers over blocks x [B, Q, d] at `positions` [B, Q]; norm(output) [B, Q, d]."""
         cos, sin = self.rotary(x, positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            x = layer(x, cos, sin, k, v, sees)
         return self.norm(x)
 
     # -- training ---------------------------------------------------------------------------------------
@@ -215,19 +228,15 @@ class DFlashDraft(nn.Module):
         c = self.context(aux)
         idx = torch.arange(T, device=aux.device)
         ctx_kv = [layer.kv(c, *self.rotary(c, idx.expand(B, T))) for layer in self.layers]
-        real = torch.ones(B, T, dtype=torch.bool, device=aux.device) if attention_mask is None \
-            else attention_mask.bool()
+        real = None if attention_mask is None else attention_mask.bool()
         out = []
         for a in range(0, anchors.shape[1], ANCHOR_CHUNK):
             t = anchors[:, a:a + ANCHOR_CHUNK]  # [B, n]
             n = t.shape[1]
             x = self.block_inputs(anchor_embeds[:, a:a + n], mask_embed).reshape(B, n * S, -1)
             positions = (t[..., None] + 1 + torch.arange(S, device=t.device)).reshape(B, n * S)
-            see_ctx = (idx[None, None] <= t[..., None]) & real[:, None]  # [B, n, T]
-            block = torch.arange(n, device=t.device)
-            see_block = (block[:, None] == block[None]).repeat_interleave(S, 0).repeat_interleave(S, 1)  # [nS, nS]
-            mask = torch.cat([see_ctx.repeat_interleave(S, 1), see_block.expand(B, -1, -1)], dim=2)[:, None]
-            y = self.run_blocks(x, positions, ctx_kv, mask).view(B, n, S, -1)
+            sees = BlockSight(Prefix(limit=t.repeat_interleave(S, 1), keep=real), S)
+            y = self.run_blocks(x, positions, ctx_kv, sees).view(B, n, S, -1)
             out.append(y[:, :, 1:].permute(2, 0, 1, 3))
         return torch.cat(out, dim=2)
 

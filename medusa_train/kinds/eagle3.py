@@ -39,7 +39,7 @@ from torch import nn
 
 from ..base.errors import ConfigError, ExportError
 from ..target.model import target_fingerprint
-from .attention import masked_attention
+from .attention import attention
 from .heads import Drafting, Export, ExportSource, HeadsSpec, TargetLayersOptions, key_value, register
 from .speculators import (SpeculatorHeads, apply_rotary, init_draft, llama_layer_config, speculators_common,
                           speculators_source_tensors, speculators_tensors, vocab_maps_to_draft_ids)
@@ -175,20 +175,18 @@ class Eagle3Draft(nn.Module):
         layer = self.layer
         s = self.fuse(aux)
         idx = torch.arange(T, device=s.device)
-        causal = idx[:, None] >= idx[None, :]  # [T, T]
-        diagonal = idx[:, None] == idx[None, :]
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        base: tuple[torch.Tensor, torch.Tensor] | None = None
+        extras: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1..k's keys and values at each t: [B, Hkv, T, 1, hd]
         out = []
         for k in range(steps):
             e = F.pad(embeds[:, k + 1:], (0, 0, 0, k + 1))  # embed(x_{t+1+k})
             cos, sin = self.rotary(s, idx + 1 + k)
             q, kk, vv = layer.project(e, s, cos, sin)
-            keys.append(kk)
-            values.append(vv)
-            mask = torch.cat([causal] + [diagonal] * k, dim=1)[None, None]  # [1, 1, T, (k+1) T]
-            a = masked_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                 lambda lo, hi, m=mask: m[:, :, lo:hi], layer.self_attn.scaling)
+            if base is None:
+                base = kk, vv  # step 0's, seen causally by every step
+            else:
+                extras.append((kk[:, :, :, None], vv[:, :, :, None]))
+            a = attention(q, *base, layer.self_attn.scaling, extras=list(extras))
             s = self.output(layer.finish(a, s))
             out.append(self.scoring_input(s))
         return torch.stack(out)
