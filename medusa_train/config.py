@@ -217,6 +217,11 @@ class TrainConfig:
     training (eval.every and a held-out split), else last (always last with target.lora, whose adapter trains
     too). The best so far is kept in `output_dir/best/` (written atomically at each evaluation that beats it) and
     `output_dir` ends with it, the last step's heads in `output_dir/last/`; metrics.jsonl and W&B log `best/step`."""
+    activation_checkpointing: bool = False
+    """Recompute the draft layers' activations in backward instead of keeping them (eagle3: each training-time-test
+    step; dflash: each layer), for the kinds with layers of their own: their memory a step falls to the layers'
+    inputs and outputs, for about one more forward of the heads (docs/results.md, "Training attention on a GPU's
+    kernels"). The target's forward is unaffected (it keeps nothing: it is frozen)."""
     hidden_cache_dir: str = ""
     """Keep those hidden states on disk here instead (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint, read memory-mapped (a row costs memory only while it is in a batch): the
@@ -498,6 +503,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     validate_heads(cfg.heads)
     validate_data(cfg.data)
     validate_train(cfg.train, world_size)
+    kind = KINDS[cfg.heads.kind]
+    need(not cfg.train.activation_checkpointing or kind.recomputes,
+         f"train.activation_checkpointing recomputes draft layers, which {cfg.heads.kind} heads do not have (only "
+         f"{' and '.join(k for k, c in KINDS.items() if c.recomputes)} do): remove it")
     validate_loss(cfg.loss)
     validate_eval(cfg)
 

@@ -282,3 +282,32 @@ def test_a_private_kernel_that_disagrees_is_replaced_by_pytorch_ops(monkeypatch,
         again = attention.attention(q, k, v, 0.3, base, extras)
     assert "TypeError" in caplog.text
     torch.testing.assert_close(again, got)
+
+
+def saved_bytes(fn) -> int:
+    """What autograd keeps for backward while `fn` runs, in bytes (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_recomputed_layers_give_the_same_gradients_and_keep_less(kind, monkeypatch):
+    """train.activation_checkpointing (heads.recompute): states and every gradient as without it (float64), and
+    what autograd keeps for the heads' forward is smaller."""
+    model, heads, h, ids, supervised = fitted_inputs(kind, T=40)
+    want = states_and_grads(heads, model, h, ids, supervised)
+    kept = saved_bytes(lambda: states_and_grads(heads, model, h, ids, supervised))
+    heads.recompute = True
+    got = states_and_grads(heads, model, h, ids, supervised)
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    assert saved_bytes(lambda: states_and_grads(heads, model, h, ids, supervised)) < 0.7 * kept

@@ -169,3 +169,15 @@ def test_eagle3_heads_get_two_norms_unless_the_recipe_says_otherwise(tmp_path):
     assert norms(norms=["norm_output", "norm_before_fc"]) == ["norm_before_fc", "norm_output"]
     chained = DraftHeads.for_target(tiny_model("llama"), "chained", 2).spec
     assert not hasattr(chained, "norms") and "norms" not in chained.to_json()
+
+
+def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
+    """train.activation_checkpointing: taken for eagle3 and dflash, refused in one line for kinds without layers."""
+    from medusa_train.config import ConfigError
+
+    for kind in ("eagle3", "dflash"):
+        assert load_config(recipe, [f"heads.kind={kind}", "train.activation_checkpointing=true"]
+                           ).train.activation_checkpointing
+    with pytest.raises(ConfigError, match="train.activation_checkpointing recomputes draft layers, which chained heads "
+                                          r"do not have \(only eagle3 and dflash do\): remove it"):
+        load_config(recipe, ["heads.kind=chained", "train.activation_checkpointing=true"])

@@ -231,6 +231,8 @@ def _plan(kernel, base: Prefix, B: int, H: int, T: int, S: int) -> list[tuple[in
     bounds = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
     if base.limit is None:
         return [(a, b, min(b, S)) for a, b in bounds]
+    if base.limit.device.type == "meta":  # sizing on the meta device (scripts/gpu_sizing.py): no values to read
+        return [(a, b, S) for a, b in bounds]
     ends = torch.stack([base.limit[:, a:b].amax() for a, b in bounds]).clamp(0, S - 1).add(1).tolist()  # one sync
     return [(a, b, e) for (a, b), e in zip(bounds, ends)]
 

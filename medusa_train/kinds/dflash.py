@@ -208,17 +208,19 @@ class DFlashDraft(nn.Module):
         return torch.cat([anchor_embeds[..., None, :], masks], dim=-2)
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                   sees: BlockSight | None) -> torch.Tensor:
-        """The layers over blocks x [B, Q, d] at `positions` [B, Q]; norm(output) [B, Q, d]."""
+                   sees: BlockSight | None, run=lambda fn, *a: fn(*a)) -> torch.Tensor:
+        """The layers over blocks x [B, Q, d] at `positions` [B, Q]; norm(output) [B, Q, d]. `run(layer, *inputs)`
+        runs each layer (training: DraftHeads.checkpointed)."""
         cos, sin = self.rotary(x, positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, sees)
+            x = run(layer, x, cos, sin, k, v, sees)
         return self.norm(x)
 
     # -- training ---------------------------------------------------------------------------------------
 
     def anchored_states(self, aux: torch.Tensor, anchor_embeds: torch.Tensor, mask_embed: torch.Tensor,
-                        anchors: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+                        anchors: torch.Tensor, attention_mask: torch.Tensor | None, run=lambda fn, *a: fn(*a)
+                        ) -> torch.Tensor:
         """norm(x_i) of slots 1..K for the blocks after positions `anchors` [B, N] (the last context position t of
         each block; its anchor token is x_{t+1}, whose embedding is anchor_embeds [B, N, d]): [K, B, N, d]. aux
         [B, T, A*d] are the target's layers at every position; `attention_mask` [B, T] marks real positions. Block n
@@ -236,7 +238,7 @@ class DFlashDraft(nn.Module):
             x = self.block_inputs(anchor_embeds[:, a:a + n], mask_embed).reshape(B, n * S, -1)
             positions = (t[..., None] + 1 + torch.arange(S, device=t.device)).reshape(B, n * S)
             sees = BlockSight(Prefix(limit=t.repeat_interleave(S, 1), keep=real), S)
-            y = self.run_blocks(x, positions, ctx_kv, sees).view(B, n, S, -1)
+            y = self.run_blocks(x, positions, ctx_kv, sees, run).view(B, n, S, -1)
             out.append(y[:, :, 1:].permute(2, 0, 1, 3))
         return torch.cat(out, dim=2)
 
@@ -336,6 +338,7 @@ def dflash_files(heads: DFlashHeads, source: ExportSource) -> tuple[dict[str, An
 @register
 class DFlashHeads(SpeculatorHeads):
     kind = "dflash"
+    recomputes = True
     Options = DFlashOptions
     training_options = ("anchors",)
     exports = {"speculators": Export("vLLM", speculators_files),
@@ -399,7 +402,8 @@ class DFlashHeads(SpeculatorHeads):
         ids = input_ids.gather(1, (anchors + 1).clamp_max(input_ids.shape[1] - 1))  # the anchor tokens x_{t+1}
         e = self.embed_tokens(ids, embed).to(h.dtype)
         mask = self.embed_tokens(torch.tensor([self.spec.mask_token_id], device=h.device), embed)[0]
-        return self.dflash.anchored_states(h[..., self.spec.hidden_size:], e, mask, anchors, attention_mask)
+        return self.dflash.anchored_states(h[..., self.spec.hidden_size:], e, mask, anchors, attention_mask,
+                                           self.checkpointed)
 
     def score(self, k: int, states: torch.Tensor) -> torch.Tensor:
         return self.dflash.lm_head(states)

@@ -167,29 +167,41 @@ class Eagle3Draft(nn.Module):
 
     # -- training ---------------------------------------------------------------------------------------
 
-    def ttt_states(self, aux: torch.Tensor, embeds: torch.Tensor, steps: int) -> torch.Tensor:
+    def ttt_states(self, aux: torch.Tensor, embeds: torch.Tensor, steps: int, run=lambda fn, *a: fn(*a)
+                   ) -> torch.Tensor:
         """norm(s^k_t) for k = 0..steps-1: [steps, B, T, d] from aux [B, T, A*d] (the target's layers at every
         position) and embeds [B, T, d] (embed(x_t)). Step k at t reads embed(x_{t+1+k}) (zero past the end: mask
         those positions) and attends causally to step 0 and to steps 1..k at t alone."""
         B, T, d = embeds.shape
-        layer = self.layer
         s = self.fuse(aux)
         idx = torch.arange(T, device=s.device)
-        base: tuple[torch.Tensor, torch.Tensor] | None = None
-        extras: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1..k's keys and values at each t: [B, Hkv, T, 1, hd]
+        base: tuple[torch.Tensor, torch.Tensor] = ()
+        extras: list[torch.Tensor] = []  # steps 1..k's keys and values at each t: [B, Hkv, T, hd] each
         out = []
         for k in range(steps):
             e = F.pad(embeds[:, k + 1:], (0, 0, 0, k + 1))  # embed(x_{t+1+k})
-            cos, sin = self.rotary(s, idx + 1 + k)
-            q, kk, vv = layer.project(e, s, cos, sin)
-            if base is None:
+            s, scored, kk, vv = run(self.ttt_step, e, s, idx + 1 + k, *base, *extras)
+            if k == 0:
                 base = kk, vv  # step 0's, seen causally by every step
             else:
-                extras.append((kk[:, :, :, None], vv[:, :, :, None]))
-            a = attention(q, *base, layer.self_attn.scaling, extras=list(extras))
-            s = self.output(layer.finish(a, s))
-            out.append(self.scoring_input(s))
+                extras += [kk, vv]
+            out.append(scored)
         return torch.stack(out)
+
+    def ttt_step(self, e: torch.Tensor, s: torch.Tensor, positions: torch.Tensor, *earlier: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+        """One step of `ttt_states`: (its state, what the LM head reads of it, its keys, its values) from the
+        embeddings e and states s [B, T, d] it reads at rotary `positions` [T], and `earlier` steps' keys and values
+        (step 0's, then steps 1..k-1's, each [B, Hkv, T, hd]); step 0 has none."""
+        layer = self.layer
+        q, k, v = layer.project(e, s, *self.rotary(s, positions))
+        if earlier:
+            base, extras = earlier[:2], [t[:, :, :, None] for t in (*earlier[2:], k, v)]
+        else:
+            base, extras = (k, v), []
+        a = attention(q, *base, layer.self_attn.scaling, extras=list(zip(extras[::2], extras[1::2])))
+        s = self.output(layer.finish(a, s))
+        return s, self.scoring_input(s), k, v
 
     # -- inference --------------------------------------------------------------------------------------
 
@@ -307,6 +319,7 @@ def _sglang_norms(spec: HeadsSpec) -> str | None:
 @register
 class Eagle3Heads(SpeculatorHeads):
     kind = "eagle3"
+    recomputes = True
     Options = Eagle3Options
     exports = {"speculators": Export("vLLM and SGLang", speculators_files),
                "eagle3": Export("SGLang", eagle3_files, refuse=_sglang_norms)}
@@ -359,7 +372,7 @@ class Eagle3Heads(SpeculatorHeads):
         """h: the features [B, T, (1 + A) d]; the chain reads the aux layers. Returns what the LM head scores,
         norm(s^k)."""
         e = self.embed_tokens(input_ids, embed).to(h.dtype)
-        return self.eagle3.ttt_states(h[..., self.spec.hidden_size:], e, self.spec.num_heads)
+        return self.eagle3.ttt_states(h[..., self.spec.hidden_size:], e, self.spec.num_heads, self.checkpointed)
 
     def score(self, k: int, states: torch.Tensor) -> torch.Tensor:
         return self.eagle3.lm_head(self.eagle3.scoring_input(states))

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..base.errors import ConfigError, ExportError
@@ -237,6 +238,10 @@ class DraftHeads(nn.Module):
     training_options: ClassVar[tuple[str, ...]] = ()
     """Options that shape training only: a warm start takes them from the recipe instead of matching them."""
     exports: ClassVar[dict[str, Export]] = {}
+    recomputes: ClassVar[bool] = False
+    """Whether `train.activation_checkpointing` applies: the kind has draft layers whose activations `checkpointed`
+    recomputes in backward (set on the heads as `recompute` for a training run)."""
+    recompute: bool = False
 
     def __new__(cls, spec: HeadsSpec | None = None, *args: Any, **kwargs: Any):
         if cls is DraftHeads and spec is not None:  # (copies and unpickling pass no spec: they name the subclass)
@@ -368,6 +373,13 @@ class DraftHeads(nn.Module):
         k+1's state at position t, having read tokens up to x_{t+k+1}, which its scoring turns into logits for
         x_{t+k+2} (positions past the end see padding; mask them)."""
         raise NotImplementedError
+
+    def checkpointed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), keeping only its inputs and outputs for backward (which runs it again) when `recompute` is on
+        and gradients are being recorded."""
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def training_states(self, h: torch.Tensor, input_ids: torch.Tensor, supervised: torch.Tensor,
                         attention_mask: torch.Tensor | None, embed: nn.Module | None

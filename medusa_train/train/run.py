@@ -135,6 +135,7 @@ def setup(cfg: Config) -> Run:
     if from_main:  # the weights arrive with the shards, and the heads start from some of them
         sizes = shard_target(target, accelerator.device, sharded, from_main=True)
     heads = setup_heads(cfg, target, train_ds, tokenizer)
+    heads.recompute = cfg.train.activation_checkpointing
     if sharded:
         if not from_main:
             sizes = shard_target(target, accelerator.device, sharded)
