@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MODE = "auto"  # "auto": cpu on a CPU, cuda on CUDA, torch elsewhere; or force "cpu", "cuda", "torch"
 CHUNK_BYTES = 128 << 20  # the fp32 scores of one chunk of rows, across the batch and every head (two live at once)
+CHUNKS = 8  # the fewest chunks of rows PyTorch ops run a causal or prefix base in (see _plan)
 Extras = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -227,7 +228,9 @@ def _plan(kernel, base: Prefix, B: int, H: int, T: int, S: int) -> list[tuple[in
     """Query chunks (a, b, end): rows a..b-1 over keys 0..end-1 (end: the last key any of them sees, plus one)."""
     if base.causal and kernel.fused_causal:
         return [(0, T, S)]
-    chunk = max(1, CHUNK_BYTES // (4 * B * H * max(S, 1)))
+    # at most CHUNK_BYTES of scores, and at least CHUNKS chunks: a chunk computes its rows against every key up to
+    # the last any of them sees, so causal rows in n chunks cost (n + 1) / 2n of the square, 9/16 at n = 8
+    chunk = max(1, min(CHUNK_BYTES // (4 * B * H * max(S, 1)), -(-T // CHUNKS)))
     bounds = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
     if base.limit is None:
         return [(a, b, min(b, S)) for a, b in bounds]
