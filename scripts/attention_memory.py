@@ -85,7 +85,7 @@ def one(root: str, kind: str, length: int, mode: str, repeats: int) -> dict:
     row = {"kind": kind, "length": length, "attention": "recompute" if getattr(heads, "recompute", False) else mode,
            "seconds": round(statistics.median(seconds), 3), "saved_mib": round(saved[0] / 2**20, 1),
            "peak_rss_mib": round(peak / 1024, 1), "step_rss_growth_mib": round((peak - before) / 1024, 1)}
-    if mode == "cpu":  # the CPU's flash kernel has no FLOP formula in the counter
+    if mode in ("cpu", "sdpa"):  # the CPU's flash kernel has no FLOP formula in the counter
         return row
 
     def counted() -> int:

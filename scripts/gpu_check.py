@@ -4,22 +4,31 @@ no download and no registry (random-weight targets; imports: torch, transformers
     python scripts/gpu_check.py --out runs/gpu-check                # on a GPU machine (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --device cpu --quick --out /tmp/gc   # the same code paths on tiny shapes, any machine
 
-Four parts, one table each, all in OUT/gpu-check.json:
+Four parts, one table each, all in OUT/gpu-check.json (written again after the launch, so a hung oracle loses nothing):
 
 1. **exact**: the engine's greedy output against `generate` on the device, for heads of every registered kind, static
    and dynamic trees: float64 on a tiny Llama (must match token for token: the engine's contract) and float32 and
    bfloat16 on a small random target (reported: exact wherever the kernels are batch-invariant; TF32 is off).
-2. **train**: one training step of each kind's heads on a target of Llama-3.1-8B's shape (random weights, bfloat16,
-   `--rows` x `--length` tokens, the recipe's draft vocabulary): the target's forward, the heads' forward, loss and
-   backward, an AdamW step; peak device memory and milliseconds a step (the median of `--steps` after a warm-up). An
-   out-of-memory step is reported as such, and the next kind runs.
-3. **oracle**: `python -m inference.oracle` on the 8B shape, eager and compiled (`--compile`: static cache, CUDA
-   graphs), every drafted token right: what the engine costs around the verify, against plain and compiled `generate`.
-   Skipped on a CPU (`--quick` runs it on the small shape, eagerly).
-
-4. **launch**: `accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py RECIPE` for 4 steps on a
+2. **train**: one training step of each kind's heads (4 of them) on a target of Llama-3.1-8B's shape (random
+   weights, bfloat16, `--rows` x `--length` tokens, the recipe's draft vocabulary), then eagle3 at EAGLE-3's 7 steps
+   for 1024, 2048 and 4096 tokens a row (`--eagle3-lengths`): the target's forward, the heads' forward, loss and
+   backward under bf16 autocast, a step of the recipe's optimizer (`train.optimizer: auto`: Muon for eagle3); peak
+   device memory, milliseconds a step (the median of `--steps` after a warm-up) and the training attention's kernel
+   (`flash`: CUDA's; `torch`: PyTorch ops, where the flash kernel failed its check). An out-of-memory step is
+   reported as such, and the next one runs.
+3. **launch**: `accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py RECIPE` for 4 steps on a
    tiny random Llama, as users launch training: exit code, steps logged, heads written. It needs `datasets` (train.py
-   reads rows through it); where it is missing the part says so and the others run.
+   reads rows through it), which a GPU machine without a registry lacks: `bash scripts/gpu_check.sh` downloads its
+   three small wheels (datasets, dill, multiprocess; < 1 MB together, pure Python) into `runs/wheels` where a
+   registry answers, carry that folder to the GPU machine, and `--wheels runs/wheels` installs them into the
+   launch's own folder (nothing else is touched). Where `datasets` is missing all the same, the part says so.
+4. **oracle**, last: `python -m inference.oracle` on the 8B shape, eager (budgets 1, 4, 16) and compiled
+   (`--compile`: static cache, CUDA graphs; budgets 4 and 16), every drafted token right: what the engine costs
+   around the verify, against plain and compiled `generate`. Skipped on a CPU (`--quick` runs it on the small
+   shape, eagerly).
+
+Every subprocess (the launch, each oracle run) has a timeout (`--timeout`, seconds): one that hangs is reported as
+timed out and the check goes on, so a 15-minute loan always ends with the report written.
 
 Exit 0 when every float64 generation was exact (the other parts are measurements), 1 otherwise.
 """
@@ -99,29 +108,38 @@ def exact(device: str, quick: bool, log) -> list[dict]:
     return rows
 
 
-def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps: int, log) -> dict:
-    """Peak memory and time of a training step of `kind`'s heads on a random `shape`-shaped bfloat16 target."""
-    from medusa_train.config import LossConfig
+def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps: int, log, num_heads: int = 4
+               ) -> dict:
+    """Peak memory and time of a training step of `kind`'s heads on a random `shape`-shaped bfloat16 target, with
+    the recipe's optimizer for the kind."""
+    import medusa_train.kinds.attention as attention
+    from medusa_train.config import LossConfig, load_config
     from medusa_train.target.model import logit_transform
     from medusa_train.target.states import TargetStates
     from medusa_train.train.losses import HeadsObjective
+    from medusa_train.train.optim import build_optimizer
 
     cuda = device.startswith("cuda")
     target = random_target(shape, torch.device(device), torch.bfloat16, max_positions=max(4096, length + 8))
     vocab = target.get_output_embeddings().weight.shape[0]
     draft = vocab // 4 if vocab // 4 >= 2048 else 0
-    heads = DraftHeads.for_target(target, kind, 4, draft_ids=torch.arange(draft, device=device) if draft else None)
+    heads = DraftHeads.for_target(target, kind, num_heads,
+                                  draft_ids=torch.arange(draft, device=device) if draft else None)
     heads.to(device)
     heads.float()  # the heads train in float32 beside a bfloat16 target, as the recipes' mixed precision does
     objective = HeadsObjective(heads, LossConfig(), logit_transform(target.config))
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-4)
+    cfg = load_config(str(ROOT / "recipes" / "llama-3.1-8b-instruct.yaml"),
+                      [f"heads.kind={kind}", f"heads.num_heads={num_heads}", "eval.tau_every=0"], world_size=1)
+    opt, _ = build_optimizer(cfg, heads, None, total_steps=steps + 1)
     states = TargetStates(target, target.get_output_embeddings(), layers=heads.target_layers)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, length), generator=g).to(device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     times = []
-    result = {"kind": kind, "shape": shape, "tokens": f"{rows} x {length}",
-              "params": sum(p.numel() for p in heads.parameters() if p.requires_grad)}
+    result = {"kind": kind, "steps": num_heads, "shape": shape, "tokens": f"{rows} x {length}",
+              "params": sum(p.numel() for p in heads.parameters() if p.requires_grad),
+              "optimizer": cfg.train.optimizer}
+    attention._checked.clear()
     try:
         for i in range(steps + 1):
             if cuda:
@@ -146,6 +164,9 @@ def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps
             result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     except torch.OutOfMemoryError:
         result["error"] = "out of memory"
+    if kind in ("eagle3", "dflash"):  # which kernel the training attention ran (kinds/attention.py checks its own)
+        used = {name for (name, *_), ok in attention._checked.items() if ok}
+        result["attention"] = "flash" if "cuda" in used else "cpu flash" if "cpu" in used else "torch"
     log(f"[train] {result}")
     del target, heads, objective, opt
     if cuda:
@@ -153,18 +174,28 @@ def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps
     return result
 
 
-def oracle(device: str, quick: bool, out: Path, log) -> list[dict]:
+def run_for(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run with a timeout: one that runs past it is a result (rc 124, "timed out after N s"), not a
+    traceback that loses the report."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout:.0f} s")
+
+
+def oracle(device: str, quick: bool, out: Path, log, timeout: float) -> list[dict]:
     """The oracle benchmark, eager and compiled, through its own command line (a subprocess each: a clean device)."""
     runs = []
-    shape, budgets, limit, new = ("small", "1,4", 1, 32) if quick else ("llama-8b", "1,4,16", 2, 64)
+    shape, limit, new = ("small", 1, 32) if quick else ("llama-8b", 2, 64)
     for compiled in ((False,) if quick else (False, True)):
+        budgets = "1,4" if quick else "4,16" if compiled else "1,4,16"  # each compiled budget costs its compile
         path = out / f"oracle-{shape}-{'compiled' if compiled else 'eager'}.json"
         cmd = [sys.executable, "-m", "inference.oracle", "--shape", shape, "--device", device, "--budgets", budgets,
                "--limit", str(limit), "--max-new-tokens", str(new), "--out", str(path)]
         cmd += ["--dtype", "bfloat16"] if device.startswith("cuda") else ["--dtype", "float32"]
         cmd += ["--compile"] if compiled else []
         t = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = run_for(cmd, timeout, cwd=ROOT)
         row = {"shape": shape, "compiled": compiled, "seconds": round(time.perf_counter() - t, 1),
                "rc": done.returncode}
         if done.returncode == 0:
@@ -176,22 +207,41 @@ def oracle(device: str, quick: bool, out: Path, log) -> list[dict]:
     return runs
 
 
-def launch(device: str, out: Path, steps: int, log) -> dict:
+def datasets_path(work: Path, wheels: str, log) -> str | None:
+    """A folder to put on the launch's PYTHONPATH holding `datasets` (installed there from the wheels in `wheels`,
+    with no index and no dependencies: the GPU machine has the rest), "" where it is importable already, None where
+    neither."""
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is not None:
+        return ""
+    found = sorted(Path(wheels).glob("*.whl")) if wheels else []
+    if not found:
+        return None
+    site = work / "site"
+    done = run_for([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target",
+                    str(site), *map(str, found)], 300)
+    log(f"launch: datasets from {wheels}: pip rc {done.returncode} {done.stderr.strip()[-200:]}")
+    return str(site) if done.returncode == 0 else None
+
+
+def launch(device: str, out: Path, steps: int, log, timeout: float, wheels: str = "") -> dict:
     """`accelerate launch --config_file recipes/accelerate/single_gpu.yaml train.py RECIPE` as a user runs it (on a
     CPU: `--cpu`), `steps` steps of chained heads on a tiny random Llama and 40 rows of text: the exit code, the
     steps logged, the seconds, the peak memory the run logged."""
-    import importlib.util
+    import os
     import shutil
 
-    if importlib.util.find_spec("datasets") is None:
-        return {"launched": False, "error": "datasets is not installed (pip install datasets): train.py reads its "
-                                            "rows through it"}
+    work = out / "launch"
+    shutil.rmtree(work, ignore_errors=True)
+    site = datasets_path(work, wheels, log)
+    if site is None:
+        return {"launched": False, "error": "datasets is not installed (pip install datasets, or --wheels DIR with "
+                                            "its wheels): train.py reads its rows through it"}
     sys.path.insert(0, str(ROOT / "tests"))
     from runs import write_text_data
     from tiny import save_tiny
 
-    work = out / "launch"
-    shutil.rmtree(work, ignore_errors=True)
     save_tiny(work / "model", "llama")
     write_text_data(work / "text.jsonl")
     (work / "recipe.yaml").write_text(
@@ -205,7 +255,9 @@ def launch(device: str, out: Path, steps: int, log) -> dict:
            str(ROOT / "train.py"), str(work / "recipe.yaml"), f"output_dir={work / 'out'}"]
     log(f"launch: {' '.join(cmd[1:3])} ... train.py, {steps} steps")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    env = os.environ | ({"PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
+                        if site else {})
+    proc = run_for(cmd, timeout, cwd=ROOT, env=env)
     seconds = round(time.perf_counter() - t0, 1)
     metrics = work / "out" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -232,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=2, help="training rows a step (part 2)")
     p.add_argument("--length", type=int, default=2048, help="tokens a training row (part 2)")
     p.add_argument("--steps", type=int, default=3, help="timed training steps a kind, after one warm-up")
-    p.add_argument("--parts", default="exact,train,oracle,launch")
+    p.add_argument("--eagle3-lengths", default="1024,2048,4096",
+                   help="tokens a row for eagle3 at 7 steps (part 2; 2 rows each); empty: none")
+    p.add_argument("--parts", default="exact,train,launch,oracle")
+    p.add_argument("--timeout", type=float, default=240, help="seconds each subprocess may run (launch, oracle)")
+    p.add_argument("--wheels", default="", help="a folder of the datasets, dill and multiprocess wheels (part 3)")
     p.add_argument("--out", default="runs/gpu-check")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -262,19 +318,27 @@ def main(argv: list[str] | None = None) -> int:
         shape = "small" if args.quick else "llama-8b"
         rows, length = (2, 64) if args.quick else (args.rows, args.length)
         report["train"] = [train_step(args.device, shape, kind, rows, length, args.steps, log) for kind in KINDS]
-        print("\n2. one training step a kind (random target, bfloat16)\n" + table(
-            report["train"], ["kind", "shape", "tokens", "params", "ms_per_step", "peak_gib", "error"]))
-    if "oracle" in parts and (args.device.startswith("cuda") or args.quick):
-        report["oracle"] = oracle(args.device, args.quick, out, log)
-        flat = [{"run": f"{r['shape']} {'compiled' if r['compiled'] else 'eager'}", "budget": b, **m}
-                for r in report["oracle"] for b, m in r.get("budgets", {}).items()]
-        print("\n3. the oracle benchmark (every draft right)\n" + table(
-            flat, ["run", "budget", "tau", "tokens_per_s", "speedup", "efficiency", "exact_match"]))
+        lengths = [int(n) for n in args.eagle3_lengths.split(",") if n] if not args.quick else [64, 128]
+        report["train"] += [train_step(args.device, shape, "eagle3", 2, n, args.steps, log, num_heads=7)
+                            for n in lengths]
+        print("\n2. one training step (random target, bfloat16 autocast)\n" + table(
+            report["train"], ["kind", "steps", "shape", "tokens", "params", "optimizer", "attention", "ms_per_step",
+                              "peak_gib", "error"]))
     if "launch" in parts:
-        report["launch"] = launch("cpu" if args.device == "cpu" else args.device, out, 4, log)
-        print("\n4. accelerate launch train.py, 4 steps (tiny target)\n" + table(
+        report["launch"] = launch("cpu" if args.device == "cpu" else args.device, out, 4, log, args.timeout,
+                                  args.wheels)
+        print("\n3. accelerate launch train.py, 4 steps (tiny target)\n" + table(
             [report["launch"]], ["launched", "exit_code", "steps_logged", "seconds", "peak_gib", "heads_written",
                                  "error"]))
+    (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")  # what ran so far, if the oracle hangs
+    if "oracle" in parts and (args.device.startswith("cuda") or args.quick):
+        report["oracle"] = oracle(args.device, args.quick, out, log, args.timeout)
+        flat = [{"run": f"{r['shape']} {'compiled' if r['compiled'] else 'eager'}", "budget": b, **m}
+                for r in report["oracle"] for b, m in r.get("budgets", {}).items()]
+        flat += [{"run": f"{r['shape']} {'compiled' if r['compiled'] else 'eager'}", "error": r["error"]}
+                 for r in report["oracle"] if "error" in r]
+        print("\n4. the oracle benchmark (every draft right)\n" + table(
+            flat, ["run", "budget", "tau", "tokens_per_s", "speedup", "efficiency", "exact_match", "error"]))
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{report['device']}, torch {report['torch']}: {report['seconds']} s; {out / 'gpu-check.json'}")

@@ -43,3 +43,14 @@ def test_the_gpu_check_launches_training_as_users_do(tmp_path):
     assert launch["launched"] and launch["exit_code"] == 0, launch
     assert launch["steps_logged"] == [1, 2, 3, 4] and launch["heads_written"] and launch["peak_gib"] > 0
     assert "4. accelerate launch train.py, 4 steps" in done.stdout
+
+
+def test_a_subprocess_that_hangs_is_a_result_not_a_lost_report():
+    """Each subprocess of the check (the launch, each oracle run) has a timeout: past it, rc 124 and a line saying so,
+    and the check goes on to write its report."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_check import run_for
+
+    done = run_for([sys.executable, "-c", "import time; time.sleep(30)"], 1)
+    assert (done.returncode, done.stderr) == (124, "timed out after 1 s")
+    assert run_for([sys.executable, "-c", "print('ok')"], 30).stdout == "ok\n"
