@@ -104,7 +104,8 @@ def one(root: str, kind: str, length: int, mode: str, repeats: int) -> dict:
     setattr(module, name, free)
     row["attention_gflops"] = round((total - counted()) / 1e9, 2)
     hd, H = heads.draft_model.layers[0].head_dim, heads.draft_model.layers[0].num_heads
-    if kind == "eagle3":  # a flash kernel's 2 matmuls forward, 5 backward (2 FLOPs each), over T(T+1)/2 scores a step
+    if hasattr(heads.draft_model, "ttt_states"):  # eagle3's yardstick: a flash kernel's causal pass a step (2
+        # matmuls forward, 5 backward, 2 FLOPs each, over T(T+1)/2 scores)
         row["causal_passes_gflops"] = round(steps * 14 * 2 * H * hd * length * (length + 1) / 2 / 1e9, 2)
         row["x_causal_passes"] = round(row["attention_gflops"] / row["causal_passes_gflops"], 2)
     return row

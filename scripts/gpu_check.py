@@ -164,7 +164,7 @@ def train_step(device: str, shape: str, kind: str, rows: int, length: int, steps
             result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     except torch.OutOfMemoryError:
         result["error"] = "out of memory"
-    if kind in ("eagle3", "dflash"):  # which kernel the training attention ran (kinds/attention.py checks its own)
+    if type(heads).recomputes:  # draft layers: which kernel their attention ran (kinds/attention.py checks its own)
         used = {name for (name, *_), ok in attention._checked.items() if ok}
         result["attention"] = "flash" if "cuda" in used else "cpu flash" if "cpu" in used else "torch"
     log(f"[train] {result}")
