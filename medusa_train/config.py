@@ -173,11 +173,10 @@ class TrainConfig:
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
-    """`adamw`: AdamW on every parameter. `muon`: Muon (torch.optim.Muon's update: momentum 0.95, Newton-Schulz
-    orthogonalized, its lr scaled to AdamW's update size so that `lr` means the same) on the heads' hidden weight
-    matrices, AdamW on the rest (norm scales, biases, embeddings, vocabulary projections), as speculators trains; one
-    schedule. `auto`: muon for the kinds in MUON_KINDS, where it measured ahead (docs/results.md, "Our EAGLE-3 trainer
-    against speculators'"), adamw for the others; resolved when the recipe loads, so recipe.yaml records which."""
+    """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized, its lr scaled to
+    AdamW's update size) on the heads' hidden weight matrices, AdamW on the rest, as speculators trains; one schedule.
+    `auto`: muon for the kinds in MUON_KINDS (docs/results.md, "Our EAGLE-3 trainer against speculators'"), adamw for
+    the others; resolved when the recipe loads, so recipe.yaml records which."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
@@ -218,10 +217,7 @@ class TrainConfig:
     too). The best so far is kept in `output_dir/best/` (written atomically at each evaluation that beats it) and
     `output_dir` ends with it, the last step's heads in `output_dir/last/`; metrics.jsonl and W&B log `best/step`."""
     activation_checkpointing: bool = False
-    """Recompute the draft layers' activations in backward instead of keeping them (eagle3: each training-time-test
-    step; dflash: each layer), for the kinds with layers of their own: their memory a step falls to the layers'
-    inputs and outputs, for about one more forward of the heads (docs/results.md, "Training attention on a GPU's
-    kernels"). The target's forward is unaffected (it keeps nothing: it is frozen)."""
+    """eagle3, dflash: draft layers recomputed in backward, a seventh of their activations kept (docs/results.md)."""
     hidden_cache_dir: str = ""
     """Keep those hidden states on disk here instead (implies cache_hidden), keyed by each row's token ids and
     tied to the target's fingerprint, read memory-mapped (a row costs memory only while it is in a batch): the
@@ -503,10 +499,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     validate_heads(cfg.heads)
     validate_data(cfg.data)
     validate_train(cfg.train, world_size)
-    kind = KINDS[cfg.heads.kind]
-    need(not cfg.train.activation_checkpointing or kind.recomputes,
-         f"train.activation_checkpointing recomputes draft layers, which {cfg.heads.kind} heads do not have (only "
-         f"{' and '.join(k for k, c in KINDS.items() if c.recomputes)} do): remove it")
+    takers = " and ".join(k for k, c in KINDS.items() if c.recomputes)
+    need(not cfg.train.activation_checkpointing or KINDS[cfg.heads.kind].recomputes, f"train.activation_checkpointing "
+         f"recomputes draft layers, which {cfg.heads.kind} heads do not have (only {takers} do): remove it")
     validate_loss(cfg.loss)
     validate_eval(cfg)
 

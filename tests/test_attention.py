@@ -257,7 +257,8 @@ def test_the_gpus_kernel_runs_flash_for_eagle3_under_autocast(monkeypatch):
     model, heads, h, ids, supervised = fitted_inputs("eagle3")
     heads, h = heads.float(), h.detach().float().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        states, _, _ = heads.training_states(h, ids, supervised, supervised.long(), model.float().get_input_embeddings())
+        embed = model.float().get_input_embeddings()
+        states, _, _ = heads.training_states(h, ids, supervised, supervised.long(), embed)
     states.float().pow(2).sum().backward()
     assert calls.count("flash") == 1 + heads.spec.num_heads  # the check's call, then one a step
     assert all(p.grad is not None and p.grad.isfinite().all() for p in heads.parameters() if p.requires_grad)

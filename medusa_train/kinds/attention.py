@@ -19,7 +19,8 @@ extras' part is a few [B, H, T, E] products. Scores and the merge are in float32
 autocast off, so bf16 autocast rounds no more than PyTorch's own SDPA does.
 
 Kernels (`MODE`, "auto" by device): "cpu" is PyTorch's CPU flash kernel in float32 (causal, or a float mask a
-chunk of rows at a time); "cuda" is CUDA's flash kernel for a causal base in bf16/fp16 (eagle3 under autocast), else "torch";
+chunk of rows at a time); "cuda" is CUDA's flash kernel for a causal base in bf16/fp16 (eagle3 under autocast), else
+"torch";
 "torch" is the same algorithm in PyTorch ops, a chunk of rows at a time over only the keys the chunk can see, on
 any device. The private ops behind "cpu" and "cuda" are checked against "torch" on a small input the first time a
 device, dtype and head size use them; one that fails or disagrees is replaced by "torch" with a warning.
