@@ -22,8 +22,9 @@ EXTERNAL = {"pip", "vllm", "sglang.launch_server", "pytest"}  # other programs, 
 
 
 def readme_commands() -> list[str]:
-    """The command lines of the README's bash blocks, continuations joined, comments dropped."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the README's bash blocks and docs/serving.md's (the README's "Serve" continued there),
+    continuations joined, comments dropped."""
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "serving.md").read_text()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
