@@ -378,9 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", nargs="+", action="extend", default=[], metavar="DIR",
                    help="trained heads directories, one a kind: each gives the methods named by its kind (`chained`, "
                         "`chained+ngram`, `parallel`, ...)")
-    # the flags that named heads by kind before --heads took any kind: still read, as one more --heads directory
-    for kind in KINDS:
-        p.add_argument(f"--heads-{kind}", dest="heads", action="append", help=argparse.SUPPRESS)
     p.add_argument("--prompts", default="default", help="JSONL/JSON with `prompt` or MT-Bench `turns` (first "
                                                         "turn), or `default` (the offline pool's held-out split)")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts (0: all), after --stride")

@@ -60,7 +60,6 @@ def heads_refusal(directory: str | os.PathLike, hidden_size: int, vocab_size: in
     """(why the heads in `directory` cannot be served on a target of this hidden and vocabulary size with this many
     speculative tokens, as one line; None when they can, and their spec)."""
     import medusa_train.kinds  # noqa: F401 - registers every kind, so that their configs read
-    from medusa_train.kinds.blocks import OnTargetHeads
     from medusa_train.kinds.heads import kind_class, load_spec
 
     where = f"speculative_config model {directory}"
@@ -68,7 +67,7 @@ def heads_refusal(directory: str | os.PathLike, hidden_size: int, vocab_size: in
         spec = load_spec(directory)
     except (FileNotFoundError, ValueError) as e:
         return f"{where}: {e}", None
-    if not issubclass(kind_class(spec.kind), OnTargetHeads):  # the kinds on h_t alone: chained, parallel
+    if not kind_class(spec.kind).served_by_plugin:
         return (f"{where} holds {spec.kind} heads, which vLLM serves with its own method: export them "
                 f"(python -m medusa_train.export {directory} OUT --format speculators) and serve OUT with "
                 f"\"method\": \"{spec.kind}\""), spec

@@ -46,8 +46,7 @@ def setup(tmp_path_factory):
 def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     out, png = setup / "results.json", setup / "bench.png"
     rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"), str(setup / "parallel"),
-                     "--heads-eagle3", str(setup / "eagle3"),  # the flag of before --heads took any kind still works
-                     "--heads", str(setup / "dflash"),
+                     "--heads", str(setup / "eagle3"), "--heads", str(setup / "dflash"),  # the flag repeats
                      "--bigram-data", str(setup / "distilled.jsonl"),
                      "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
                      "--repeats", "1", "--out", str(out), "--plot", str(png)])

@@ -26,6 +26,7 @@ ROOMS = {
               "medusa_train.kinds.eagle3", "medusa_train.kinds.dflash"],
     "recipe": ["medusa_train.config"],
     "data": ["medusa_train.data.chat", "medusa_train.data.formats", "medusa_train.data.rows",
+             "medusa_train.data.distilled",
              "medusa_train.data.prompts", "medusa_train.data.self_prompts", "medusa_train.data.batch_decode",
              "medusa_train.data.vllm_generate"],
     "engine": ["inference.engine.tree", "inference.engine.kernels", "inference.engine.kv", "inference.engine.verify",
@@ -244,3 +245,22 @@ def test_old_module_names_still_work():
     out = subprocess.run([sys.executable, "-m", "medusa_train.distill", "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "python -m medusa_train.data.distill" in out.stdout
+
+
+def long_functions(source: str, limit: int = 100) -> dict[str, int]:
+    """The functions (methods and nested ones too) of `source` longer than `limit` lines, decorators aside."""
+    return {fn.name: n for fn in ast.walk(ast.parse(source)) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (n := fn.end_lineno - fn.lineno + 1) > limit}
+
+
+def test_no_function_over_100_lines():
+    """A function a reader can hold: none in medusa_train/ or inference/ over 100 lines."""
+    long = {f"{name}.{fn}": n for name, path in module_files().items()
+            for fn, n in long_functions(path.read_text()).items()}
+    assert long == {}
+    planted = "def f():\n" + "    x = 1\n" * 100 + "def g():\n    return 2\n"
+    assert long_functions(planted) == {"f": 101}
+
+
+def test_the_readme_is_a_guide_of_at_most_250_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

@@ -184,7 +184,8 @@ def test_turns_continue_finished_conversations_with_the_targets_own_follow_ups(t
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
     seen = []
 
-    def fake_replies(model, tok, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, batch_size=None, seeds=None):
+    def fake_replies(model, tok, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, batch_size=None, seeds=None,
+                     on_reply=None):
         out = []
         for ids in prompt_ids:
             seen.append(tok.decode(ids))

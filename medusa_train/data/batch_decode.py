@@ -112,8 +112,6 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
     generator seeded `seeds[i]`. Prompt i gets at most `limits[i]` new tokens (default `max_new_tokens` each; a
     limit under 1 yields no tokens). A `model` that generates itself (`VllmTarget`: vLLM in its own venv) is handed
     the whole call."""
-    from transformers import DynamicCache
-
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("decode: sampling needs one seed per prompt")
     limit = [max_new_tokens] * len(prompts) if limits is None else [int(n) for n in limits]
@@ -129,14 +127,6 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
     out: dict[int, list[int]] = {}
     gens: dict[int, torch.Generator] = {}
     cache = mask = positions = last = None
-
-    def prefill(batch: list[int]):
-        ids, m = _left_padded([prompts[i] for i in batch], pad_id, device)
-        pos = (m.cumsum(-1) - 1).clamp(min=0)
-        c = DynamicCache(config=model.config)
-        logits = model(input_ids=ids, attention_mask=m, position_ids=pos, use_cache=True, logits_to_keep=1,
-                       **cache_kwargs(model, c)).logits[:, -1]
-        return c, m, pos[:, -1] + 1, logits
 
     def pick(logits: torch.Tensor, batch: list[int | None]) -> torch.Tensor:
         if temperature <= 0:
@@ -173,22 +163,14 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                 out[i] = []
                 if temperature > 0:
                     gens[i] = torch.Generator(device=device).manual_seed(int(seeds[i]))
-            c, m, pos, logits = prefill(batch)
+            c, m, pos, logits = _prefill(model, [prompts[i] for i in batch], pad_id)
             if not _plain_cache(c):  # a cache we cannot splice (the first prefill tells): generate() instead
                 yield from _generate_fallback(model, prompts, [*batch, *waiting[::-1]], limit, stops,
                                               pad_id, batch_size, temperature, top_p, seeds)
                 return
             nxt = pick(logits, batch)
-            if cache is None:
-                cache, mask, positions, last = c, m, pos, nxt
-            else:
-                width = max(mask.shape[1], m.shape[1])
-                _left_pad(cache, width)
-                _left_pad(c, width)
-                _concat(cache, c)
-                mask = torch.cat([torch.nn.functional.pad(mask, (width - mask.shape[1], 0)),
-                                  torch.nn.functional.pad(m, (width - m.shape[1], 0))])
-                positions, last = torch.cat([positions, pos]), torch.cat([last, nxt])
+            cache, mask, positions, last = (c, m, pos, nxt) if cache is None else \
+                _joined((cache, mask, positions, last), (c, m, pos, nxt))
             check = range(len(rows), len(rows) + len(batch))  # the rows in flight wait for this prefill
             rows += batch
         else:
@@ -212,6 +194,32 @@ def decode(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
                 rows[r] = None
             else:
                 out[i].append(t)
+
+
+def _prefill(model, prompts: list[Sequence[int]], pad_id: int):
+    """A new cache for `prompts` (left-padded): (cache, mask, each row's next position, the last logits)."""
+    from transformers import DynamicCache
+
+    ids, m = _left_padded(prompts, pad_id, model.device)
+    pos = (m.cumsum(-1) - 1).clamp(min=0)
+    c = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=m, position_ids=pos, use_cache=True, logits_to_keep=1,
+                   **cache_kwargs(model, c)).logits[:, -1]
+    return c, m, pos[:, -1] + 1, logits
+
+
+def _joined(running: tuple, new: tuple) -> tuple:
+    """The rows in flight (cache, mask, positions, last tokens) with a new prefill's appended, both left-padded to
+    one width."""
+    cache, mask, positions, last = running
+    c, m, pos, nxt = new
+    width = max(mask.shape[1], m.shape[1])
+    _left_pad(cache, width)
+    _left_pad(c, width)
+    _concat(cache, c)
+    mask = torch.cat([torch.nn.functional.pad(mask, (width - mask.shape[1], 0)),
+                      torch.nn.functional.pad(m, (width - m.shape[1], 0))])
+    return cache, mask, torch.cat([positions, pos]), torch.cat([last, nxt])
 
 
 def _generate_fallback(model, prompts, todo, limit, stops, pad_id, batch_size, temperature, top_p, seeds

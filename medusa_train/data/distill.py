@@ -41,15 +41,17 @@ which `data.dataset` reads as chat (supervised on the replies only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .batch_decode import decode
+from .distilled import (_append_rows, _ids_in, _part_path, _parts, _repair_tail, _rows, merge_parts,  # noqa: F401
+                        read_done)
 from .chat import render_prompt
 from ..config import ConfigError, load_config
 from ..target.model import pad_id, stop_ids
@@ -65,95 +67,6 @@ MIN_REPLY = 16  # with replies as long as data.max_length leaves, a prompt (or c
 
 
 # ---------------------------------------------------------------------------------------------------
-# Output file: append-only JSONL, resumable
-
-
-def _part_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}.rank{rank}")
-
-
-def _rows(path: Path):
-    """The complete rows of a JSONL file, in order; a line cut short by a crash (or any unreadable line) is
-    skipped, so its prompt is simply redone. Splits on newlines only: JSON keeps U+2028 and friends raw in
-    strings, and `str.splitlines` would cut a row there."""
-    if not path.is_file():
-        return
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "id" in row:
-            yield row
-
-
-def _prompt_text(row: dict) -> str | None:
-    """The user turn a distilled row answers (None for a row of another shape)."""
-    messages = row.get("messages")
-    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-        content = messages[0].get("content")
-        return content if isinstance(content, str) else None
-    return None
-
-
-def _parts(out: Path) -> list[Path]:
-    """The per-rank part files of `out` a multi-process run left, in rank order."""
-    return sorted(out.parent.glob(f"{out.name}.rank*"))
-
-
-def read_done(out: Path) -> tuple[set[str], set[str]]:
-    """Ids and prompt texts already answered in `out` or any of its per-rank parts."""
-    ids: set[str] = set()
-    texts: set[str] = set()
-    for f in [out, *_parts(out)]:
-        for row in _rows(f):
-            ids.add(str(row["id"]))
-            text = _prompt_text(row)
-            if text is not None:
-                texts.add(text)
-    return ids, texts
-
-
-def merge_parts(out: Path) -> int:
-    """Append every complete row of `out`'s per-rank parts to `out` (skipping ids it has), delete the parts.
-    Returns the number of rows appended."""
-    have = _ids_in(out)
-    parts = _parts(out)
-    new = []
-    for part in parts:
-        for row in _rows(part):
-            if str(row["id"]) not in have:
-                have.add(str(row["id"]))
-                new.append(row)
-    _append_rows(out, new)
-    for part in parts:
-        part.unlink()
-    return len(new)
-
-
-def _append_rows(path: Path, rows: list[dict]) -> None:
-    """Append rows as JSON lines, flushed and fsynced: once this returns, a crash loses none of them."""
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _ids_in(path: Path) -> set[str]:
-    return {str(row["id"]) for row in _rows(path)}
-
-
-def _repair_tail(path: Path) -> None:
-    """Cut a last line that a crash left without its newline, so appended rows start on a fresh line."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
-
-
-# ---------------------------------------------------------------------------------------------------
 # Generation
 
 
@@ -164,12 +77,14 @@ def render_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
 
 def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int | Sequence[int],
                      temperature: float = 0.0, top_p: float = 1.0, batch_size: int | None = None,
-                     seeds: list[int] | None = None) -> list[tuple[str, str, int]]:
+                     seeds: list[int] | None = None, on_reply: Callable[[int], None] | None = None
+                     ) -> list[tuple[str, str, int]]:
     """The target's reply to each prompt, `batch_size` in flight at once (`batch_decode.decode`: continuous
     batching; default all; vLLM schedules its own), at most `max_new_tokens` tokens (one limit, or one a prompt).
     Returns (reply text, finish, new tokens) per prompt, in order: the reply is cut at the first end-of-turn token
     (`finish="stop"`), else `finish="length"`. Greedy is the argmax at every step (what the engine verifies
-    against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index)."""
+    against); sampling draws prompt i from a generator seeded `seeds[i]` (default its index). `on_reply(tokens)`
+    is called as each reply ends (progress)."""
     if temperature > 0 and seeds is None:
         seeds = list(range(len(prompt_ids)))
     limits = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -179,6 +94,8 @@ def generate_replies(model, tokenizer, prompt_ids: list[list[int]], max_new_toke
                                      batch_size=batch_size or len(prompt_ids), temperature=temperature,
                                      top_p=top_p, seeds=seeds, limits=limits):
         out[i] = (tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens))
+        if on_reply is not None:
+            on_reply(len(tokens))
     return out
 
 
@@ -216,8 +133,6 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     `max_prompt_tokens` (and the reply room); a follow-up a filter drops ends it. The count of rows by their number
     of user turns is in `turns_written`.
     """
-    from tqdm.auto import tqdm
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if max_new_tokens is None and max_length is None:
@@ -253,38 +168,23 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
     _repair_tail(target)
     written = replies_written = cut = new_tokens = 0
     by_turns: dict[int, int] = {}
-    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress or rank != 0,
-               dynamic_ncols=True)
+    bar = _Progress(len(todo), enabled=progress and rank == 0)
+    gen = lambda ids, seeds: generate_replies(  # noqa: E731  (each reply's limit: what its prompt leaves)
+        model, tokenizer, ids, [room(len(x)) for x in ids], temperature, top_p, batch_size, seeds, on_reply=bar.reply)
     chunk = batch_size * CHUNK
     for b in range(0, len(todo), chunk):
         batch = todo[b:b + chunk]
         seeds = [seed + hash_id(kept[i].id) for i in batch]  # a prompt's sample is the same wherever a run resumes
-        replies = generate_replies(model, tokenizer, [kept_ids[i] for i in batch],
-                                   [room(len(kept_ids[i])) for i in batch], temperature, top_p, batch_size, seeds)
+        bar.first_turn = True
+        replies = gen([kept_ids[i] for i in batch], seeds)
+        bar.first_turn = False
         convs = [[{"role": "user", "content": kept[i].text}, {"role": "assistant", "content": text}]
                  for i, (text, _, _) in zip(batch, replies)]
         ends = [finish for _, finish, _ in replies]
-        most = max(len(kept[i].later) for i in batch) + 1 if turns == "all" else turns
-        for t in range(1, most):  # the user's next turn (the source's, or the target writes it), then the reply
-            live = [k for k in range(len(batch)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
-            if turns == "all":
-                asks = [kept[batch[k]].later[t - 1] if len(kept[batch[k]].later) >= t else None for k in live]
-            else:
-                asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
-                                        batch_size)
-            go = [(k, q, render_prompt(tokenizer, convs[k] + [{"role": "user", "content": q}]))
-                  for k, q in zip(live, asks) if q is not None]
-            go = [g for g in go if fit(len(g[2]))]
-            if not go:
-                break
-            more = generate_replies(model, tokenizer, [g[2] for g in go], [room(len(g[2])) for g in go], temperature,
-                                    top_p, batch_size, [seeds[k] + t for k, _, _ in go])
-            for (k, q, _), (text, finish, n) in zip(go, more):
-                convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
-                ends[k] = finish
-                cut += finish == "length"
-                new_tokens += n
-            replies_written += len(go)
+        later = [kept[i].later for i in batch] if turns == "all" else None
+        n, c, tokens = _later_turns(gen, fit, convs, ends, seeds, later, turns, follow_ups, model, tokenizer,
+                                    batch_size)
+        replies_written, cut, new_tokens = replies_written + n, cut + c, new_tokens + tokens
         replies_written += len(batch)
         cut += sum(finish == "length" for _, finish, _ in replies)
         new_tokens += sum(n for _, _, n in replies)
@@ -294,12 +194,65 @@ def distill(model, tokenizer, prompts: list[Prompt], out: str | os.PathLike, *, 
             by_turns[len(conv) // 2] = by_turns.get(len(conv) // 2, 0) + 1
         _append_rows(target, rows)  # a crash loses at most the chunk in flight
         written += len(rows)
-        bar.update(len(batch))
-        bar.set_postfix(rows=len(done) + written * world_size)
+        bar.rows = len(done) + written * world_size
     bar.close()
     return {"job": len(job), "done_before": len([i for i in job if finished(i)]), "written": written,
             "too_long": too_long, "turns_written": dict(sorted(by_turns.items())), "replies": replies_written,
             "cut": cut, "new_tokens": new_tokens}
+
+
+def _later_turns(gen, fit, convs: list[list[dict]], ends: list[str], seeds: list[int], later: list[list[str]] | None,
+                 turns: Turns, follow_ups: FollowUps | None, model, tokenizer, batch_size: int
+                 ) -> tuple[int, int, int]:
+    """The user's next turns and the target's replies to them, in place in `convs` and `ends`, for the conversations
+    whose last reply ended: the source's turns (`later`, with turns="all") or ones the target writes. Returns
+    (replies, of them cut at their limit, new tokens)."""
+    replies = cut = new_tokens = 0
+    most = max(len(x) for x in later) + 1 if later is not None else turns
+    for t in range(1, most):  # the user's next turn (the source's, or the target writes it), then the reply
+        live = [k for k in range(len(convs)) if ends[k] == "stop" and len(convs[k]) == 2 * t]
+        if later is not None:
+            asks = [later[k][t - 1] if len(later[k]) >= t else None for k in live]
+        else:
+            asks = follow_ups.write(model, tokenizer, [convs[k] for k in live], [seeds[k] + t for k in live],
+                                    batch_size)
+        go = [(k, q, render_prompt(tokenizer, convs[k] + [{"role": "user", "content": q}]))
+              for k, q in zip(live, asks) if q is not None]
+        go = [g for g in go if fit(len(g[2]))]
+        if not go:
+            break
+        more = gen([g[2] for g in go], [seeds[k] + t for k, _, _ in go])
+        for (k, q, _), (text, finish, n) in zip(go, more):
+            convs[k] += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
+            ends[k] = finish
+            cut += finish == "length"
+            new_tokens += n
+        replies += len(go)
+    return replies, cut, new_tokens
+
+
+class _Progress:
+    """distill's bar: a prompt advances it when its first reply ends (not when its chunk is written), and it says
+    the new tokens a second and the rows in the file."""
+
+    def __init__(self, total: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="distill", unit="prompt", disable=not enabled, dynamic_ncols=True)
+        self.first_turn, self.rows, self.tokens, self.start = False, 0, 0, time.perf_counter()
+
+    def reply(self, tokens: int) -> None:
+        self.tokens += tokens
+        self._postfix()
+        self.bar.update(1 if self.first_turn else 0)
+
+    def _postfix(self) -> None:
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix({"tokens/s": f"{rate:.1f}", "rows": self.rows}, refresh=False)
+
+    def close(self) -> None:
+        self._postfix()
+        self.bar.close()
 
 
 def generation_settings(max_new_tokens: int | None, temperature: float, top_p: float, turns: Turns = 1,

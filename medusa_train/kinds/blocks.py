@@ -176,6 +176,7 @@ class OnTargetHeads(DraftHeads):
     alone)."""
 
     chained = True
+    served_by_plugin = True
 
     @classmethod
     def check_options(cls, options: OnTargetOptions) -> None:

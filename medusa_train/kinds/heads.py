@@ -238,6 +238,9 @@ class DraftHeads(nn.Module):
     training_options: ClassVar[tuple[str, ...]] = ()
     """Options that shape training only: a warm start takes them from the recipe instead of matching them."""
     exports: ClassVar[dict[str, Export]] = {}
+    served_by_plugin: ClassVar[bool] = False
+    """Whether our vLLM plugin (`inference/vllm_plugin.py`) serves the kind: heads that read the target's last state
+    h_t alone, as vLLM hands a custom proposer; the others are exported and served by vLLM's own method."""
     recomputes: ClassVar[bool] = False
     """Whether `train.activation_checkpointing` applies: the kind has draft layers whose activations `checkpointed`
     recomputes in backward (set on the heads as `recompute` for a training run)."""

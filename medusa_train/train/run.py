@@ -95,29 +95,7 @@ def setup(cfg: Config) -> Run:
     set_seed(cfg.train.seed)
 
     tokenizer = load_tokenizer(cfg.target)
-    with accelerator.main_process_first():  # the datasets cache is written once, then reused
-        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
-    if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-    accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
-                      f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
-    dropped = info["dropped"] + info["eval_dropped"]
-    if dropped:
-        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(info["drop_reasons"].items(), key=lambda x: -x[1])[:3])
-        accelerator.print(f"data: {dropped} rows dropped ({reasons})")
-    if accelerator.is_main_process and ckpt is None:  # what training saw, in the run's own record (once a run)
-        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
-            f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
-                                "data/tokens": info["tokens"], "data/dropped": dropped,
-                                "data/drop_reasons": info["drop_reasons"]}) + "\n")
-    tau_prompts = []  # the real tau's prompts, read before the model loads (the main process generates)
-    if cfg.eval.tau_every and accelerator.is_main_process:
-        tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
-        if not tau_prompts:
-            where = cfg.eval.tau_prompts or "the held-out split"
-            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
-                              "prompts file")
+    train_ds, eval_ds, tau_prompts = setup_data(cfg, accelerator, tokenizer, resumed=ckpt is not None)
     # a sharded target loads on the CPU (each process then keeps its shards on the device); under FSDP2 only the main
     # process reads the checkpoint, the others build the model on the meta device and receive their shards
     dtype = resolve_dtype(cfg.target.dtype, accelerator.device)
@@ -149,23 +127,8 @@ def setup(cfg: Config) -> Run:
             with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
                 f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}
                                    | {"target/host_peak_bytes_by_process": peaks}) + "\n")
-    n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
-    n_target = sum(getattr(p, "ds_numel", p.numel()) for p in target.parameters())  # ZeRO-3: whole sizes
-    n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
-    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
-        f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
-        if peft is not None else f"target frozen ({n_target:,} params)"))
-    cache_dir = cfg.train.hidden_cache_dir or None
-    if cfg.train.cache_hidden and cache_dir is None and accelerator.num_processes > 1:
-        # each process's memory would hold its own rows only, and the next epoch's shuffle hands it others'
-        cache_dir = str(Path(cfg.output_dir) / "hidden-cache")
-        accelerator.print(f"hidden cache: on disk in {cache_dir}, where the {accelerator.num_processes} processes "
-                          "share their rows (train.hidden_cache_dir=DIR puts it elsewhere)")
-    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden, cache_dir,
-                          target_fingerprint(target), accelerator.process_index, layers=heads.target_layers,
-                          lockstep=sharded is not None and accelerator.num_processes > 1)
-    if len(states):
-        accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
+    say_heads(cfg, accelerator, heads, target, peft)
+    states = setup_states(cfg, accelerator, forward_target, target, heads, lockstep=sharded is not None)
 
     objective = make_objective(cfg, heads, target, peft)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
@@ -183,6 +146,64 @@ def setup(cfg: Config) -> Run:
     setup_best(run, eval_ds is not None, resumed=ckpt is not None)
     run.tau_prompts = tau_prompts
     return run
+
+
+def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
+    """(training rows, held-out rows or None, the real tau's prompts): built once on the main process first (the
+    datasets cache is then reused), reported, and recorded in the run's metrics (once a run); before the model
+    loads, so that a data error is the first thing a user reads."""
+    with accelerator.main_process_first():  # the datasets cache is written once, then reused
+        train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
+    if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        accelerator.print("resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+    accelerator.print(f"data: {info['rows']} training rows, {info['tokens']} tokens "
+                      f"({info['supervised_tokens']} supervised), {info['eval_rows']} held-out rows")
+    dropped = info["dropped"] + info["eval_dropped"]
+    if dropped:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(info["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        accelerator.print(f"data: {dropped} rows dropped ({reasons})")
+    if accelerator.is_main_process and not resumed:  # what training saw, in the run's own record (once a run)
+        with open(Path(cfg.output_dir) / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
+                                "data/tokens": info["tokens"], "data/dropped": dropped,
+                                "data/drop_reasons": info["drop_reasons"]}) + "\n")
+    tau_prompts = []  # the real tau's prompts, read before the model loads (the main process generates)
+    if cfg.eval.tau_every and accelerator.is_main_process:
+        tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
+        if not tau_prompts:
+            where = cfg.eval.tau_prompts or "the held-out split"
+            raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
+                              "prompts file")
+    return train_ds, eval_ds, tau_prompts
+
+
+def say_heads(cfg: Config, accelerator, heads: DraftHeads, target: torch.nn.Module, peft) -> None:
+    """One line: the heads' kind and size, and what of the target trains."""
+    n_params = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    n_target = sum(getattr(p, "ds_numel", p.numel()) for p in target.parameters())  # ZeRO-3: whole sizes
+    n_adapter = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    accelerator.print(f"heads: {cfg.heads.kind}, K={cfg.heads.num_heads}, {n_params:,} trainable params; " + (
+        f"target with LoRA r={cfg.target.lora.r}: {n_adapter:,} of its {n_target:,} params train (joint, Medusa-2)"
+        if peft is not None else f"target frozen ({n_target:,} params)"))
+
+
+def setup_states(cfg: Config, accelerator, forward_target: torch.nn.Module, target: torch.nn.Module,
+                 heads: DraftHeads, lockstep: bool) -> TargetStates:
+    """The target's hidden states a step reads: computed, or from the hidden cache (in memory, or on disk where the
+    processes share their rows)."""
+    cache_dir = cfg.train.hidden_cache_dir or None
+    if cfg.train.cache_hidden and cache_dir is None and accelerator.num_processes > 1:
+        # each process's memory would hold its own rows only, and the next epoch's shuffle hands it others'
+        cache_dir = str(Path(cfg.output_dir) / "hidden-cache")
+        accelerator.print(f"hidden cache: on disk in {cache_dir}, where the {accelerator.num_processes} processes "
+                          "share their rows (train.hidden_cache_dir=DIR puts it elsewhere)")
+    states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden, cache_dir,
+                          target_fingerprint(target), accelerator.process_index, layers=heads.target_layers,
+                          lockstep=lockstep and accelerator.num_processes > 1)
+    if len(states):
+        accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
+    return states
 
 
 def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft=None) -> torch.nn.Module:
@@ -233,12 +254,13 @@ def _warm_start_heads(cfg: Config, target: torch.nn.Module, tokenizer) -> DraftH
     except ValueError as e:  # HeadsMismatchError (another target) or not a heads directory
         raise ConfigError(f"heads.init_from={h.init_from}: {e}") from None
     spec, kind = heads.spec, type(heads)
+    same_kind = kind is kind_class(h.kind)
     differ = [f"heads.{key}={getattr(h, key)!r} but those heads have {getattr(spec, key)!r}"
-              for key in ("kind", "num_heads") if getattr(h, key) != getattr(spec, key)]
+              for key, same in (("kind", same_kind), ("num_heads", h.num_heads == spec.num_heads)) if not same]
     if h.draft_vocab(spec.vocab_size) != spec.draft_vocab_size:
         differ.append(f"heads.draft_vocab_size={h.draft_vocab_size!r} ({h.draft_vocab(spec.vocab_size)} tokens for "
                       f"this target) but those heads have {spec.draft_vocab_size}")
-    if h.kind == spec.kind:
+    if same_kind:  # then the recipe's heads.* keys are this kind's options
         wanted = kind.resolve(kind.options_from(h), target.config, target.get_input_embeddings().weight, tokenizer)
         for f in dataclasses.fields(kind.Options):
             said, have = getattr(h, f.name), getattr(spec.options, f.name)
