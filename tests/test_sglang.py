@@ -1,7 +1,7 @@
 """SGLang's EAGLE3 and DFLASH loaders, read from their own source (sglang 0.5.23, pinned; SGLang does not run on a CPU
 machine): every tensor of our `--format eagle3` export maps to a parameter its `LlamaForCausalLMEagle3.load_weights`
 loads (it skips a name it does not know without a word, so a renamed tensor would serve a random weight), the config
-says what that model reads, its draft layer computes what ours does, and the README's launch line uses flags its
+says what that model reads, its draft layer computes what ours does, and the documented launch line uses flags its
 argument parser has; the same for `--format dflash` and its `DFlashDraftModel`. The wheel is downloaded once (no
 dependencies, nothing imported) into the project's cache."""
 
@@ -184,8 +184,8 @@ def test_a_broken_export_is_caught(export, sglang_src, tmp_path, plant):
 
 def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
     """sglang builds its command line from dataclass fields (`arg_groups/fields/*.py`, `--` + the name with dashes,
-    plus aliases); every flag of the README's two `sglang.launch_server` lines must be one, and EAGLE3 and DFLASH
-    algorithms its help names."""
+    plus aliases); every flag of the two `sglang.launch_server` lines of docs/serving.md (the README's "Serve" goes on
+    there) must be one, and EAGLE3 and DFLASH algorithms its help names."""
     fields: set[str] = set()
     spec_help = ""
     for path in (sglang_src / NEEDED[2]).glob("*.py"):
@@ -201,7 +201,7 @@ def test_the_readme_launch_line_uses_flags_sglang_has(sglang_src):
                     fields.update(re.findall(r'"(--[\w-]+)"', aliases.group(1)))
                 if node.target.id == "speculative_algorithm":
                     spec_help = segment
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "serving.md").read_text()
     lines = re.findall(r"python -m sglang\.launch_server((?:[^\n]*\\\n)*[^\n]*)", readme)  # with continuations
     assert len(lines) == 2  # EAGLE3 and DFLASH
     for line in lines:
