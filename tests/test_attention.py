@@ -312,3 +312,16 @@ def test_recomputed_layers_give_the_same_gradients_and_keep_less(kind, monkeypat
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b)
     assert saved_bytes(lambda: states_and_grads(heads, model, h, ids, supervised)) < 0.7 * kept
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_the_meta_device_runs_it_as_gpu_sizing_counts_it(kind):
+    """scripts/gpu_sizing.py counts a step on the meta device (no values, no autocast): the training attention runs
+    there, forward and backward, on the kernel a GPU's float32 takes."""
+    model, heads, h, ids, supervised = fitted_inputs(kind)
+    meta = lambda t: t.detach().to("meta").requires_grad_(t.requires_grad)  # noqa: E731
+    heads = heads.to("meta")
+    states, _, _ = heads.training_states(meta(h), ids.to("meta"), supervised.to("meta"), supervised.long().to("meta"),
+                                         model.get_input_embeddings().to("meta"))
+    states.sum().backward()
+    assert states.device.type == "meta" and states.shape[0] == heads.spec.num_heads

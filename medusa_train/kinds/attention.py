@@ -28,6 +28,7 @@ device, dtype and head size use them; one that fails or disagrees is replaced by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Prefix:
 
     limit: torch.Tensor | None = None  # [B, T] long
     keep: torch.Tensor | None = None  # [B, S] bool
+    limit_on_host: torch.Tensor | None = None  # `limit` on the CPU, read to plan the chunks (else one sync a call)
 
     @property
     def causal(self) -> bool:
@@ -71,6 +73,19 @@ class Prefix:
         first = torch.where(self.keep.any(1), self.keep.float().argmax(1), self.keep.shape[1])  # first kept key
         limit = self.limit if self.limit is not None else torch.arange(self.keep.shape[1], device=self.keep.device)
         return limit >= first[:, None]
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype where it is on for this device type, else None (the meta device has no autocast)."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except RuntimeError:
+        return None
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type, enabled=False) if device_type in ("cpu", "cuda", "xpu", "mps") else \
+        contextlib.nullcontext()
 
 
 def _work(dtype: torch.dtype) -> torch.dtype:
@@ -203,7 +218,7 @@ def _self_check(kernel, like: torch.Tensor, causal: bool) -> bool:
         mask[..., 0] = True
     tol = 1e-5 if like.dtype in (torch.float32, torch.float64) else 3e-2
     try:
-        with torch.no_grad(), torch.autocast(like.device.type, enabled=False):
+        with torch.no_grad(), _no_autocast(like.device.type):
             got = kernel.forward(q, k, v, 0.3, causal, mask)
             want = TORCH.forward(q, k, v, 0.3, causal, mask)
             out = want[0].to(q.dtype)
@@ -235,9 +250,10 @@ def _plan(kernel, base: Prefix, B: int, H: int, T: int, S: int) -> list[tuple[in
     bounds = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
     if base.limit is None:
         return [(a, b, min(b, S)) for a, b in bounds]
-    if base.limit.device.type == "meta":  # sizing on the meta device (scripts/gpu_sizing.py): no values to read
+    limit = base.limit_on_host if base.limit_on_host is not None else base.limit
+    if limit.device.type == "meta":  # sizing on the meta device (scripts/gpu_sizing.py): no values to read
         return [(a, b, S) for a, b in bounds]
-    ends = torch.stack([base.limit[:, a:b].amax() for a, b in bounds]).clamp(0, S - 1).add(1).tolist()  # one sync
+    ends = torch.stack([limit[:, a:b].amax() for a, b in bounds]).clamp(0, S - 1).add(1).tolist()
     return [(a, b, e) for (a, b), e in zip(bounds, ends)]
 
 
@@ -263,7 +279,7 @@ class MergedAttention(torch.autograd.Function):
         kernel = _kernel(q, base.causal)
         plan = _plan(kernel, base, B, H, T, k.shape[2])
         work = _work(q.dtype)
-        with torch.autocast(q.device.type, enabled=False):
+        with _no_autocast(q.device.type):
             k, v = k.to(q.dtype), v.to(q.dtype)
             out = torch.empty(B, H, T, v.shape[-1], dtype=work, device=q.device)
             lse = torch.empty(B, H, T, dtype=work, device=q.device)
@@ -346,10 +362,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, b
         n = extras[0][0].shape[2]
         if q.shape[2] % n or any(ek.shape[2] != n or ev.shape[:4] != ek.shape[:4] for ek, ev in extras):
             raise ValueError(f"extras must be [B, Hkv, N, E, hd] with one N dividing the {q.shape[2]} query rows")
-    device = q.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: every input in its dtype (eagle3's later steps
-        low = torch.get_autocast_dtype(device)  # would bring float32 queries, rotated by float32 cos/sin)
-        q, k, v = q.to(low), k.to(low), v.to(low)
+    low = _autocast_dtype(q.device.type)
+    if low is not None:  # as SDPA under autocast: every input in its dtype (eagle3's later steps would bring float32
+        q, k, v = q.to(low), k.to(low), v.to(low)  # queries, rotated by float32 cos/sin)
         extras = [(ek.to(low), ev.to(low)) for ek, ev in extras]
     flat = [t for pair in extras for t in pair]
     return MergedAttention.apply(q, k, v, scale, base, len(extras), *flat)

@@ -237,7 +237,9 @@ class DFlashDraft(nn.Module):
             n = t.shape[1]
             x = self.block_inputs(anchor_embeds[:, a:a + n], mask_embed).reshape(B, n * S, -1)
             positions = (t[..., None] + 1 + torch.arange(S, device=t.device)).reshape(B, n * S)
-            sees = BlockSight(Prefix(limit=t.repeat_interleave(S, 1), keep=real), S)
+            limit = t.repeat_interleave(S, 1)  # read once on the host here, not by every layer's attention
+            host = limit.cpu() if limit.device.type != "meta" else None  # (the meta device: sizing, nothing to read)
+            sees = BlockSight(Prefix(limit=limit, keep=real, limit_on_host=host), S)
             y = self.run_blocks(x, positions, ctx_kv, sees, run).view(B, n, S, -1)
             out.append(y[:, :, 1:].permute(2, 0, 1, 3))
         return torch.cat(out, dim=2)
