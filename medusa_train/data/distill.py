@@ -50,8 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .batch_decode import decode
-from .distilled import (_append_rows, _ids_in, _part_path, _parts, _repair_tail, _rows, merge_parts,  # noqa: F401
-                        read_done)
+from .distilled import _append_rows, _ids_in, _part_path, _parts, _repair_tail, _rows, merge_parts, read_done
 from .chat import render_prompt
 from ..config import ConfigError, load_config
 from ..target.model import pad_id, stop_ids

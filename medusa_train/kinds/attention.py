@@ -19,10 +19,9 @@ extras' part is a few [B, H, T, E] products. Scores and the merge are in float32
 autocast off, so bf16 autocast rounds no more than PyTorch's own SDPA does.
 
 Kernels (`MODE`, "auto" by device): "cpu" is PyTorch's CPU flash kernel in float32 (causal, or a float mask a
-chunk of rows at a time); "cuda" is CUDA's flash kernel for a causal base in bf16/fp16 (eagle3 under autocast), else
-"torch";
-"torch" is the same algorithm in PyTorch ops, a chunk of rows at a time over only the keys the chunk can see, on
-any device. The private ops behind "cpu" and "cuda" are checked against "torch" on a small input the first time a
+chunk of rows at a time); "cuda" is CUDA's flash kernel for a causal base in bf16/fp16 (eagle3 under autocast), and
+"torch" for anything else; "torch" is the same algorithm in PyTorch ops, a chunk of rows at a time over only the
+keys the chunk can see, on any device. The private ops behind "cpu" and "cuda" are checked against "torch" on a small input the first time a
 device, dtype and head size use them; one that fails or disagrees is replaced by "torch" with a warning.
 """
 
@@ -94,8 +93,8 @@ def _work(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Kernels: forward(q, k, v, scale, causal, mask) -> (out in q's dtype, lse in _work), backward(dout, q, k, v, out,
-# lse, scale, causal, mask) -> (dq, dk, dv). `mask` is None (causal or everything) or bool [B or 1, 1, Tq, Tk].
+# Kernels: forward(q, k, v, scale, causal, mask) -> (out in q's dtype or float32, lse in _work), backward(dout, q, k,
+# v, out, lse, scale, causal, mask) -> (dq, dk, dv). `mask` is None (causal or everything) or bool [B or 1, 1, Tq, Tk].
 
 
 class TorchKernel:
@@ -257,6 +256,13 @@ def _plan(kernel, base: Prefix, B: int, H: int, T: int, S: int) -> list[tuple[in
     return [(a, b, e) for (a, b), e in zip(bounds, ends)]
 
 
+def _pattern(kernel, base: Prefix, a: int, b: int, end: int, device: torch.device
+             ) -> tuple[bool, torch.Tensor | None]:
+    """(causal, mask) for the kernel's call on rows a..b-1 over keys 0..end-1: built again in backward, never kept."""
+    causal = base.causal and kernel.fused_causal
+    return causal, None if causal else base.mask(a, b, end, device)
+
+
 def _grouped(x: torch.Tensor, kv: int, n: int) -> torch.Tensor:
     """[B, H, T, d] -> [B, Hkv, G, N, R, d]."""
     B, H, T, d = x.shape
@@ -275,7 +281,7 @@ class MergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, base: Prefix, n_extras: int, *flat):
         extras = [(flat[2 * i], flat[2 * i + 1]) for i in range(n_extras)]
-        B, H, T, hd = q.shape
+        B, H, T, _ = q.shape
         kernel = _kernel(q, base.causal)
         plan = _plan(kernel, base, B, H, T, k.shape[2])
         work = _work(q.dtype)
@@ -284,8 +290,7 @@ class MergedAttention(torch.autograd.Function):
             out = torch.empty(B, H, T, v.shape[-1], dtype=work, device=q.device)
             lse = torch.empty(B, H, T, dtype=work, device=q.device)
             for a, b, end in plan:
-                causal = base.causal and kernel.fused_causal
-                mask = None if causal else base.mask(a, b, end, q.device)
+                causal, mask = _pattern(kernel, base, a, b, end, q.device)
                 o, l = kernel.forward(q[:, :, a:b], k[:, :, :end], v[:, :, :end], scale, causal, mask)
                 out[:, :, a:b], lse[:, :, a:b] = o, l
             sees = base.sees_any()
@@ -322,8 +327,7 @@ class MergedAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=work, device=k.device)
         dv = torch.zeros(v.shape, dtype=work, device=v.device)
         for a, b, end in ctx.plan:
-            causal = base.causal and kernel.fused_causal
-            mask = None if causal else base.mask(a, b, end, q.device)
+            causal, mask = _pattern(kernel, base, a, b, end, q.device)
             g = kernel.backward(dout[:, :, a:b], q[:, :, a:b], k[:, :, :end], v[:, :, :end], out[:, :, a:b],
                                 lse[:, :, a:b], scale, causal, mask)
             dq[:, :, a:b] += g[0]
@@ -331,7 +335,6 @@ class MergedAttention(torch.autograd.Function):
             dv[:, :, :end] += g[2]
         grads = []
         if extras:
-            B, H, T, _ = q.shape
             kv = k.shape[1]
             n = extras[0][0].shape[2]
             qg = _grouped(q.to(work), kv, n)

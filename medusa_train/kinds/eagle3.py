@@ -175,31 +175,26 @@ class Eagle3Draft(nn.Module):
         B, T, d = embeds.shape
         s = self.fuse(aux)
         idx = torch.arange(T, device=s.device)
-        base: tuple[torch.Tensor, torch.Tensor] = ()
-        extras: list[torch.Tensor] = []  # steps 1..k's keys and values at each t: [B, Hkv, T, hd] each
+        earlier: list[torch.Tensor] = []  # every step's keys and values so far, [B, Hkv, T, hd] each
         out = []
         for k in range(steps):
             e = F.pad(embeds[:, k + 1:], (0, 0, 0, k + 1))  # embed(x_{t+1+k})
-            s, scored, kk, vv = run(self.ttt_step, e, s, idx + 1 + k, *base, *extras)
-            if k == 0:
-                base = kk, vv  # step 0's, seen causally by every step
-            else:
-                extras += [kk, vv]
+            s, scored, kk, vv = run(self.ttt_step, e, s, idx + 1 + k, *earlier)
+            earlier += [kk, vv]
             out.append(scored)
         return torch.stack(out)
 
     def ttt_step(self, e: torch.Tensor, s: torch.Tensor, positions: torch.Tensor, *earlier: torch.Tensor
                  ) -> tuple[torch.Tensor, ...]:
         """One step of `ttt_states`: (its state, what the LM head reads of it, its keys, its values) from the
-        embeddings e and states s [B, T, d] it reads at rotary `positions` [T], and `earlier` steps' keys and values
-        (step 0's, then steps 1..k-1's, each [B, Hkv, T, hd]); step 0 has none."""
+        embeddings e and states s [B, T, d] it reads at rotary `positions` [T], and the earlier steps' keys and values
+        (k0, v0, k1, v1, ...: each [B, Hkv, T, hd]; none at step 0). Step 0's keys are seen causally, the later steps'
+        (this one's included) by their own position alone."""
         layer = self.layer
         q, k, v = layer.project(e, s, *self.rotary(s, positions))
-        if earlier:
-            base, extras = earlier[:2], [t[:, :, :, None] for t in (*earlier[2:], k, v)]
-        else:
-            base, extras = (k, v), []
-        a = attention(q, *base, layer.self_attn.scaling, extras=list(zip(extras[::2], extras[1::2])))
+        steps = [*zip(earlier[::2], earlier[1::2]), (k, v)]
+        own = [(kk[:, :, :, None], vv[:, :, :, None]) for kk, vv in steps[1:]]
+        a = attention(q, *steps[0], layer.self_attn.scaling, extras=own)
         s = self.output(layer.finish(a, s))
         return s, self.scoring_input(s), k, v
 
