@@ -6,7 +6,9 @@ import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,18 +63,75 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()
 
 
+HOST = socket.gethostname()
+TEMP_MARK = ".tmp-"  # an atomic write's temp file: `.NAME.tmp-HOST-PID`, beside its final name
+STALE_TEMP_SECONDS = 24 * 3600  # a temp file of another machine's this old is a dead writer's
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's (or a directory's entries') data to the disk. A file system that cannot sync a directory
+    (some network ones) is let be."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not Path(path).is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def temp_path(final: Path) -> Path:
+    """Where `atomic_write` stages `final`: named by this machine and process, so that a dead writer's file can be
+    told from a live one's (`remove_stale_temps`)."""
+    return final.with_name(f".{final.name}{TEMP_MARK}{HOST}-{os.getpid()}")
+
+
 def atomic_write(final: str | os.PathLike, write: Callable[[str], object]) -> None:
-    """Write `final` through `write(tmp_path)` and a rename, so a crash never leaves a partial file; the file gets
-    the ordinary permissions (`FILE_MODE`), whatever the writer created it with."""
+    """Write `final` through `write(tmp_path)`, an fsync and a rename (then an fsync of the directory), so that
+    neither a crash nor a power loss leaves a partial file under the final name; the file gets the ordinary
+    permissions (`FILE_MODE`), whatever the writer created it with. A failed write removes its temp file."""
     final = Path(final)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = temp_path(final)
     try:
         write(str(tmp))
         os.chmod(tmp, FILE_MODE)
+        fsync_path(tmp)
         os.replace(tmp, final)
+        fsync_path(final.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> int:
+    """Remove the temp files that killed writers left in `directory` (a kill -9 runs no cleanup): those of this
+    machine whose process is gone, and any a day old (another machine's, on a shared file system). A live writer's,
+    here or elsewhere, is left alone. Returns how many were removed."""
+    removed = 0
+    for f in Path(directory).glob(f".*{TEMP_MARK}*"):
+        if not f.is_file():
+            continue
+        owner = f.name.rsplit(TEMP_MARK, 1)[1]
+        host, _, pid = owner.rpartition("-")  # (files named before the host was: `.NAME.tmp-PID`, host "")
+        try:
+            dead = host in ("", HOST) and pid.isdigit() and not _alive(int(pid))
+            if dead or time.time() - f.stat().st_mtime > STALE_TEMP_SECONDS:
+                f.unlink()
+                removed += 1
+        except FileNotFoundError:  # another process removed it first, or its writer renamed it into place
+            continue
+    return removed
 
 
 def ordinary_modes(directory: Path) -> None:

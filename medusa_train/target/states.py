@@ -27,24 +27,30 @@ import os
 import time
 import uuid
 from pathlib import Path
+from shutil import disk_usage
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..base.errors import ConfigError
-from ..base.files import atomic_write, atomic_write_text
+from ..base.files import atomic_write, atomic_write_text, remove_stale_temps
 from .model import fingerprint_difference, greedy_tokens, target_hidden
 
 META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.pt"
 FLUSH_BYTES = 512 * 2 ** 20  # new rows kept in memory before they are written as a shard (and mapped back)
+DAMAGED_PREFIX = "damaged-"  # a shard that cannot be read is renamed so (out of SHARD_GLOB) and its rows computed again
 KEY_BYTES = 20
 
 
 def row_key(ids: torch.Tensor) -> bytes:
     """A row's cache key: the hash of its token ids."""
     return hashlib.sha1(ids.to(torch.int64).cpu().numpy().tobytes()).digest()
+
+
+class DamagedShard(ValueError):
+    """A shard file that cannot be read (truncated by a power loss, or damaged)."""
 
 
 class Shard:
@@ -59,9 +65,10 @@ class Shard:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(data, dict):
                 raise ValueError(f"holds a {type(data).__name__}, not a dict of rows")
+            if "offsets" in data:
+                self._check(data)
         except Exception as e:  # noqa: BLE001 - a truncated or damaged file fails in several ways
-            raise ConfigError(f"train.hidden_cache_dir: {path} cannot be read ({str(e).splitlines()[0][:100]}): "
-                              "delete that shard (its rows are computed again) or the whole directory") from None
+            raise DamagedShard(f"{path} cannot be read ({str(e).splitlines()[0][:100]})") from None
         self.path = path
         if "offsets" in data:
             self.rows = None
@@ -71,6 +78,16 @@ class Shard:
                           for i in range(len(has))}
         else:
             self.rows, self.slots = data, dict.fromkeys(data)
+
+    @staticmethod
+    def _check(data: dict) -> None:
+        """The shapes agree: as many keys, offsets and flags as rows, as many states and tokens as the offsets say."""
+        n, offsets = len(data["has_greedy"]), data["offsets"]
+        if data["keys"].shape != (n, KEY_BYTES) or offsets.shape != (n + 1,):
+            raise ValueError(f"{n} rows but keys {tuple(data['keys'].shape)} and offsets {tuple(offsets.shape)}")
+        tokens = int(offsets[-1])
+        if data["h"].shape[0] != tokens or data["greedy"].shape[0] != tokens:
+            raise ValueError(f"{tokens} tokens by the offsets, but states for {data['h'].shape[0]}")
 
     def keys(self):
         return self.slots.keys()
@@ -113,7 +130,8 @@ class TargetStates:
 
     def __init__(self, target: nn.Module, lm_head: nn.Module, cache: bool = False,
                  directory: str | os.PathLike | None = None, fingerprint: dict[str, Any] | None = None,
-                 rank: int = 0, layers: list[int] | tuple[int, ...] = (), lockstep: bool = False) -> None:
+                 rank: int = 0, layers: list[int] | tuple[int, ...] = (), lockstep: bool = False,
+                 reserve_bytes: int = 0) -> None:
         self.target, self.lm_head = target, lm_head
         self.lockstep = lockstep  # a sharded target: every process runs its forward whenever any process must
         self.layers = tuple(layers)  # eagle3: the aux layers read after h_t
@@ -125,6 +143,8 @@ class TargetStates:
         self.opened: set[str] = set()
         self.dir = Path(directory) if directory else None
         self.rank = rank
+        self.reserve_bytes = reserve_bytes  # room a flush leaves free on the cache's disk (the checkpoints')
+        self.writing = True  # False once a shard could not be written (a full disk): no new rows are kept
         self.computed_rows = self.cached_rows = 0
         if self.dir is not None:
             self._open(fingerprint or {}, str(next(target.parameters()).dtype).removeprefix("torch."))
@@ -162,6 +182,7 @@ class TargetStates:
             # several ranks may race here; every one writes the same content
             atomic_write_text(meta, json.dumps({"target_fingerprint": fingerprint, "dtype": dtype,
                                                 "layers": list(self.layers)}))
+        remove_stale_temps(self.dir)  # shards that killed processes were writing
         self.refresh()
 
     def refresh(self) -> int:
@@ -171,10 +192,28 @@ class TargetStates:
         before = len(self.index)
         for path in sorted(self.dir.glob(SHARD_GLOB)):
             if path.name not in self.opened:
-                shard = Shard(path)
+                try:
+                    shard = Shard(path)
+                except DamagedShard as e:
+                    self._set_aside(path, e)
+                    continue
                 self.index.update(dict.fromkeys(shard.keys(), shard))
                 self.opened.add(path.name)
         return len(self.index) - before
+
+    def _set_aside(self, path: Path, problem: Exception) -> None:
+        """A shard that cannot be read (a power loss before its data reached the disk, a damaged disk): renamed out of
+        the cache's sight, so that no process reads it again, and its rows computed again."""
+        aside = path.with_name(DAMAGED_PREFIX + path.name)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:  # another process set it aside first
+            return
+        except OSError:
+            aside = path
+        self.opened.add(path.name)
+        print(f"warning: train.hidden_cache_dir: {problem}: set aside as {aside.name}; its rows are computed again",
+              flush=True)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return target_hidden(self.target, ids, mask, self.layers)
@@ -205,7 +244,9 @@ class TargetStates:
         if no_greedy:
             fresh = greedy_tokens(self.lm_head, h[no_greedy][..., :self.d])
             for i, b in enumerate(no_greedy):
-                rows[b] = self.fresh_greedy[keys[b]] = fresh[i, :lengths[b]].to("cpu", torch.int32, copy=True)
+                rows[b] = fresh[i, :lengths[b]].to("cpu", torch.int32, copy=True)
+                if self.writing:
+                    self.fresh_greedy[keys[b]] = rows[b]
         greedy = torch.zeros(ids.shape, dtype=torch.long)
         for b, row in enumerate(rows):
             greedy[b, :lengths[b]] = row
@@ -239,7 +280,9 @@ class TargetStates:
 
     def keep(self, key: bytes, h: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """Keep one row's states [n, width] (a CPU copy) under its `row_key`, and its greedy tokens [n] if known;
-        with a directory, the next flush writes them."""
+        with a directory, the next flush writes them (nothing is kept once the cache's disk is full)."""
+        if not self.writing:
+            return
         self.fresh[key] = h.detach().to("cpu", copy=True)
         self.fresh_bytes += self.fresh[key].nbytes
         if greedy is not None:
@@ -268,9 +311,29 @@ class TargetStates:
         if self.dir is None or not self.fresh:
             return
         final = self.dir / f"shard-{time.strftime('%Y%m%d-%H%M%S')}-r{self.rank}-{uuid.uuid4().hex[:8]}.pt"
-        Shard.write(final, [(k, h, self.fresh_greedy.get(k)) for k, h in self.fresh.items()])
+        rows = [(k, h, self.fresh_greedy.get(k)) for k, h in self.fresh.items()]
+        self.fresh, self.fresh_greedy, need, self.fresh_bytes = {}, {}, self.fresh_bytes, 0
+        free = disk_usage(self.dir).free
+        if free < need + self.reserve_bytes:
+            return self._stop_writing(len(rows), need, free, "not enough room")
+        try:
+            Shard.write(final, rows)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+            free = disk_usage(self.dir).free
+            if isinstance(e, RuntimeError) and free >= need:
+                raise  # not a full disk
+            return self._stop_writing(len(rows), need, free, str(e).splitlines()[0][:80])
         self.refresh()
-        self.fresh, self.fresh_greedy, self.fresh_bytes = {}, {}, 0
+
+    def _stop_writing(self, n: int, need: int, free: int, why: str) -> None:
+        """A shard could not be written: say so once; training goes on, reading the rows already written and
+        computing the others (the unwritten rows' memory is freed)."""
+        self.writing = False
+        reserve = f", {self.reserve_bytes / 2 ** 30:.2f} GiB kept for the checkpoints" if self.reserve_bytes else ""
+        print(f"warning: train.hidden_cache_dir={self.dir}: a shard of {n} rows ({need / 2 ** 20:.1f} MiB) cannot be "
+              f"written ({why}; {free / 2 ** 20:.1f} MiB free{reserve}): training goes on without caching more rows "
+              "(those on disk are still read; free space, or point the cache at a larger disk, for the next run)",
+              flush=True)
 
 
 def read_shard(path: str | os.PathLike) -> dict[bytes, torch.Tensor]:

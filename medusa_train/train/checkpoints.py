@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..config import Config, ConfigError
-from ..base.files import atomic_write_text
+from ..base.files import atomic_write_text, fsync_path
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
@@ -63,14 +63,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
     """accelerator.save_state into a temp dir, plus the data position and resolved recipe, and last a manifest of
     every file's size and sha256; all fsynced, then renamed to checkpoints/step-N. Rotation to
@@ -90,15 +82,15 @@ def save_checkpoint(accelerator, cfg: Config, position: dict[str, int]) -> Path:
         (tmp / TRAINER_STATE).write_text(json.dumps(position, indent=2) + "\n")
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(f)
+            fsync_path(f)
             files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
         (tmp / MANIFEST_NAME).write_text(json.dumps({"files": files}, indent=1) + "\n")
-        _fsync(tmp / MANIFEST_NAME)
-        _fsync(tmp)
+        fsync_path(tmp / MANIFEST_NAME)
+        fsync_path(tmp)
         if final.exists():
             os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         for old in rotated_out(cfg.output_dir, final, cfg.train.keep_checkpoints):
             trash = root / f".trash-{old.name}"
             os.replace(old, trash)  # never a half-deleted step-N that could look complete

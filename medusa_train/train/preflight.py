@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from shutil import disk_usage
 import torch
 
 from ..config import Config, ConfigError
 from ..kinds.heads import DraftHeads, HeadsSpec, kind_class
-from ..target.model import check_hub_reachable, text_config, unsupported_reason
+from ..target.model import check_hub_reachable, resolve_dtype, text_config, unsupported_reason
+from ..target.states import SHARD_GLOB
 
 def check_writable(path: Path, key: str) -> None:
     """ConfigError unless `path` is (or can be made) a directory this process can write: a real probe write."""
@@ -79,6 +81,72 @@ def head_parameters(cfg: Config, text) -> int:
         return sum(p.numel() for p in DraftHeads(heads_spec(cfg, text)).parameters())
 
 
+def checkpoint_bytes(cfg: Config, text) -> int:
+    """The room the checkpoints and the final heads take: a checkpoint holds float32 weights and AdamW's two moments
+    (12 bytes a parameter), one more exists while the newest is written, and the final heads take 4."""
+    n = head_parameters(cfg, text)
+    return 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
+
+
+def cache_bytes_per_token(cfg: Config, text, device: torch.device | str) -> int:
+    """What a token costs in the hidden-state cache: the states the heads read (h, and eagle3's layers: (1 + layers)
+    x d), in the dtype of the forward that makes them, and its greedy token (4 bytes)."""
+    with torch.device("meta"):
+        layers = len(DraftHeads(heads_spec(cfg, text)).target_layers)
+    forward = cfg.target.forward_dtype
+    dtype = getattr(torch, forward) if forward != "same" else resolve_dtype(cfg.target.dtype, device)
+    return (1 + layers) * text.hidden_size * dtype.itemsize + 4
+
+
+def _on_disk(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (the disk it will be made on)."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def checkpoint_reserve(cfg: Config, text, directory: str | os.PathLike) -> int:
+    """The room a cache in `directory` leaves free for the checkpoints: theirs when they share its disk, else 0."""
+    shared = _on_disk(Path(directory)).stat().st_dev == _on_disk(Path(cfg.output_dir)).stat().st_dev
+    return checkpoint_bytes(cfg, text) if shared else 0
+
+
+def check_cache_room(cfg: Config, directory: str | os.PathLike, tokens: int, device: torch.device | str
+                     ) -> str | None:
+    """The hidden-state cache's expected size for `tokens` training tokens against the room on its disk: a line to
+    print, or a one-line ConfigError when it cannot fit (beside the checkpoints, when they share the disk). The
+    shards already there count as written (a later run on the same data writes nothing). None when the target's
+    config cannot be read."""
+    config = target_config(cfg)
+    if config is None:
+        return None
+    text = text_config(config)
+    directory = Path(directory)
+    per_token = cache_bytes_per_token(cfg, text, device)
+    need = int(tokens * per_token * 1.02)  # keys, offsets and the files' headers: ~1-2%
+    have = sum(f.stat().st_size for f in directory.glob(SHARD_GLOB)) if directory.is_dir() else 0
+    free = disk_usage(_on_disk(directory)).free
+    reserve = checkpoint_reserve(cfg, text, directory)
+    if free < max(0, need - have) + reserve:
+        raise ConfigError(
+            f"train.hidden_cache_dir={directory}: the cache needs about {size(need)} for {tokens:,} tokens "
+            f"({per_token:,} bytes a token; {size(have)} written already), but its disk has {size(free)} free"
+            + (f", {size(reserve)} of them for the checkpoints" if reserve else "") + ": point it at a larger disk, "
+            "set target.forward_dtype=bfloat16 (half the bytes), or train without it (train.cache_hidden=false, "
+            "train.hidden_cache_dir='')")
+    return (f"hidden cache: about {size(need)} for {tokens:,} tokens ({per_token:,} bytes a token), {size(have)} "
+            f"written already, {size(free)} free on its disk")
+
+
+def size(n: float) -> str:
+    """Bytes for a reader: `1.50 GiB`, `12.0 MiB`."""
+    for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2 ** 10:.1f} KiB"
+
+
 def check_before_loading(cfg: Config) -> None:
     """What would otherwise fail after the work: directories that cannot be written (found at the first write, an
     epoch in), a disk too full for the checkpoints, sequences longer than the target's positions."""
@@ -91,10 +159,7 @@ def check_before_loading(cfg: Config) -> None:
         return
     check_target_supported(cfg, config)
     text = text_config(config)
-    n = head_parameters(cfg, text)
-    # a checkpoint holds float32 weights and AdamW's two moments (12 bytes a parameter), one more exists while the
-    # newest is written, and the final heads take 4
-    need = 12 * n * (cfg.train.keep_checkpoints + 1) + 4 * n
+    need = checkpoint_bytes(cfg, text)
     free = shutil.disk_usage(out).free
     if free < need:
         raise ConfigError(f"output_dir={out}: {free / 2**30:.2f} GiB free, but {cfg.train.keep_checkpoints} "

@@ -27,12 +27,12 @@ from .joint import JointObjective, add_lora
 from .losses import HeadsObjective
 from .metrics import host_peak_bytes, setup_tracking
 from .optim import build_optimizer
-from .preflight import check_before_loading
+from .preflight import check_before_loading, check_cache_room, checkpoint_reserve
 from .processes import (check_joint_distributed, check_output_dir_shared, say_processes, set_aside_fsdp_on_cpus,
                         setup_accelerator, unwrapped)
 from ..target.sharding import describe as describe_sharding
 from ..target.sharding import check_shardable, loads_on_main_only, shard_target, take_over_sharding
-from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype,
+from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype, text_config,
                             target_fingerprint)
 from ..target.states import TargetStates
 from .tau import tau_prompt_ids
@@ -95,7 +95,10 @@ def setup(cfg: Config) -> Run:
     set_seed(cfg.train.seed)
 
     tokenizer = load_tokenizer(cfg.target)
-    train_ds, eval_ds, tau_prompts = setup_data(cfg, accelerator, tokenizer, resumed=ckpt is not None)
+    train_ds, eval_ds, tau_prompts, tokens = setup_data(cfg, accelerator, tokenizer, resumed=ckpt is not None)
+    cache_dir = cache_directory(cfg, accelerator.num_processes)
+    if cache_dir is not None and (room := check_cache_room(cfg, cache_dir, tokens, accelerator.device)):
+        accelerator.print(room)  # before the model loads: a cache that cannot fit is refused now, not an epoch in
     # a sharded target loads on the CPU (each process then keeps its shards on the device); under FSDP2 only the main
     # process reads the checkpoint, the others build the model on the meta device and receive their shards
     dtype = resolve_dtype(cfg.target.dtype, accelerator.device)
@@ -128,7 +131,7 @@ def setup(cfg: Config) -> Run:
                 f.write(json.dumps({"step": 0} | {f"target/bytes_{k}": v for k, v in sizes.items()}
                                    | {"target/host_peak_bytes_by_process": peaks}) + "\n")
     say_heads(cfg, accelerator, heads, target, peft)
-    states = setup_states(cfg, accelerator, forward_target, target, heads, lockstep=sharded is not None)
+    states = setup_states(cfg, accelerator, forward_target, target, heads, cache_dir, lockstep=sharded is not None)
 
     objective = make_objective(cfg, heads, target, peft)
     train_dl, eval_dl = setup_dataloaders(cfg, accelerator, train_ds, eval_ds, tokenizer.pad_token_id)
@@ -149,7 +152,7 @@ def setup(cfg: Config) -> Run:
 
 
 def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
-    """(training rows, held-out rows or None, the real tau's prompts): built once on the main process first (the
+    """(training rows, held-out rows or None, the real tau's prompts, the training tokens): built once on the main process first (the
     datasets cache is then reused), reported, and recorded in the run's metrics (once a run); before the model
     loads, so that a data error is the first thing a user reads."""
     with accelerator.main_process_first():  # the datasets cache is written once, then reused
@@ -175,7 +178,7 @@ def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
             where = cfg.eval.tau_prompts or "the held-out split"
             raise ConfigError(f"eval.tau_every: no prompts for the real tau in {where}: set eval.tau_prompts to a "
                               "prompts file")
-    return train_ds, eval_ds, tau_prompts
+    return train_ds, eval_ds, tau_prompts, info["tokens"]
 
 
 def say_heads(cfg: Config, accelerator, heads: DraftHeads, target: torch.nn.Module, peft) -> None:
@@ -188,19 +191,27 @@ def say_heads(cfg: Config, accelerator, heads: DraftHeads, target: torch.nn.Modu
         if peft is not None else f"target frozen ({n_target:,} params)"))
 
 
+def cache_directory(cfg: Config, processes: int) -> str | None:
+    """Where the hidden-state cache lives on disk: `train.hidden_cache_dir`, else (several processes, a cache asked
+    for) `output_dir/hidden-cache`, where the processes share their rows; None: in memory, or no cache."""
+    if cfg.train.hidden_cache_dir:
+        return cfg.train.hidden_cache_dir
+    if cfg.train.cache_hidden and processes > 1:  # each process's memory would hold its own rows only
+        return str(Path(cfg.output_dir) / "hidden-cache")
+    return None
+
+
 def setup_states(cfg: Config, accelerator, forward_target: torch.nn.Module, target: torch.nn.Module,
-                 heads: DraftHeads, lockstep: bool) -> TargetStates:
-    """The target's hidden states a step reads: computed, or from the hidden cache (in memory, or on disk where the
-    processes share their rows)."""
-    cache_dir = cfg.train.hidden_cache_dir or None
-    if cfg.train.cache_hidden and cache_dir is None and accelerator.num_processes > 1:
-        # each process's memory would hold its own rows only, and the next epoch's shuffle hands it others'
-        cache_dir = str(Path(cfg.output_dir) / "hidden-cache")
+                 heads: DraftHeads, cache_dir: str | None, lockstep: bool) -> TargetStates:
+    """The target's hidden states a step reads: computed, or from the hidden cache (in memory, or on disk in
+    `cache_dir`, where the processes share their rows; a flush leaves the checkpoints' room free)."""
+    if cache_dir is not None and not cfg.train.hidden_cache_dir:
         accelerator.print(f"hidden cache: on disk in {cache_dir}, where the {accelerator.num_processes} processes "
                           "share their rows (train.hidden_cache_dir=DIR puts it elsewhere)")
+    reserve = checkpoint_reserve(cfg, text_config(target.config), cache_dir) if cache_dir is not None else 0
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden, cache_dir,
                           target_fingerprint(target), accelerator.process_index, layers=heads.target_layers,
-                          lockstep=lockstep and accelerator.num_processes > 1)
+                          lockstep=lockstep and accelerator.num_processes > 1, reserve_bytes=reserve)
     if len(states):
         accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
     return states
