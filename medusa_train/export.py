@@ -54,8 +54,8 @@ from .base.files import CONFIG_NAME, WEIGHTS_NAME, atomic_write_dir
 from .kinds import KINDS
 from .kinds.heads import (DraftHeads, ExportSource, HeadsMismatchError, HeadsSpec, check_fingerprint, kind_class,
                           load_spec)
-from .target.model import (checkpoint_tensors, fingerprint_difference, merge_recorded_adapter, recorded_adapter,
-                           weights_fingerprint)
+from .target.model import fingerprint_difference, merge_recorded_adapter, recorded_adapter, weights_fingerprint
+from .target.weights import checkpoint_tensors
 
 FORMATS = tuple(dict.fromkeys(fmt for kind in KINDS.values() for fmt in kind.exports))
 
@@ -87,9 +87,10 @@ def _target_model(name: str, fingerprint: dict[str, Any], dtype: torch.dtype | s
 
 def target_weights(name: str, spec: HeadsSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embedding and LM head weights, float32, checked against the heads' fingerprint: read from a local
-    checkpoint's safetensors alone (`checkpoint_tensors`: a 70B target's 4 GB, not its 140 in float32), else from the
-    loaded model (with the heads' recorded adapter merged in, which never touches these two)."""
-    tensors = checkpoint_tensors(name) if Path(os.path.expanduser(name)).is_dir() else None
+    checkpoint's safetensors alone (`checkpoint_tensors`: a 70B target's 4 GB, not its 140 in float32; a hub id is read
+    from its snapshot in the Hugging Face cache), else from the loaded model (with the heads' recorded adapter merged
+    in, which never touches these two)."""
+    tensors = checkpoint_tensors(name)
     if tensors is None:
         model = _target_model(name, spec.target_fingerprint)
         check_fingerprint(spec.target_fingerprint, model, spec.target_name)

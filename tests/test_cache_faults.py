@@ -8,6 +8,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +215,48 @@ def test_preflight_says_the_caches_size_and_refuses_one_its_disk_cannot_hold(ws,
         train(config(ws, "too-small", f"train.hidden_cache_dir={ws / 'another'}", "train.max_steps=1"))
     # the same data's cache already on disk (a whole epoch of it) needs no more room
     train(config(ws, "sized-again", f"train.hidden_cache_dir={cache}", "train.max_steps=1", "eval.every=0"))
+
+
+def changed_copy(src: Path, dst: Path, tensor: str | None = None, **config) -> Path:
+    """A copy of the checkpoint `src` with one tensor scaled (the embedding and LM head untouched) or config keys set."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensor:
+        weights = load_file(str(dst / "model.safetensors"))
+        weights[tensor] = weights[tensor] * 1.01
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        data = json.loads((dst / "config.json").read_text()) | config
+        (dst / "config.json").write_text(json.dumps(data, indent=4))
+    return dst
+
+
+def test_the_weights_digest_sees_any_tensor_and_the_config_not_the_place_or_the_formatting(ws, tmp_path):
+    from medusa_train.target.weights import weights_digest
+
+    model = ws / "model"
+    same = changed_copy(model, tmp_path / "same")
+    (same / "config.json").write_text(json.dumps(json.loads((same / "config.json").read_text()) | {
+        "transformers_version": "0.0", "_name_or_path": "elsewhere"}, indent=1, sort_keys=True))
+    assert weights_digest(same) == weights_digest(model) is not None  # another place, another formatting
+    inner = changed_copy(model, tmp_path / "inner", "model.layers.0.mlp.down_proj.weight")
+    rope = changed_copy(model, tmp_path / "rope", rope_theta=123.0)
+    digests = {weights_digest(p) for p in (model, inner, rope)}
+    assert len(digests) == 3
+    assert weights_digest(tmp_path / "nowhere") is None
+
+
+def test_a_target_whose_inner_layers_changed_is_not_served_the_old_cache(ws, tmp_path):
+    """The cache of one target, and a copy of it whose inner MLP weight was scaled by 1% (a fine-tune, a merged LoRA:
+    the embedding and LM head untouched, so their signatures match): refused in one line. The same checkpoint copied
+    elsewhere reads the cache."""
+    cache = tmp_path / "h"
+    train(config(ws, "digest-a", f"train.hidden_cache_dir={cache}", "train.max_steps=2", "eval.every=0"))
+    inner = changed_copy(ws / "model", tmp_path / "inner", "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ConfigError, match=r"^train.hidden_cache_dir=.*another target \(its weight files differ"):
+        train(config(ws, "digest-b", f"target.model={inner}", f"train.hidden_cache_dir={cache}",
+                     "train.max_steps=2", "eval.every=0"))
+    moved = changed_copy(ws / "model", tmp_path / "moved")
+    assert train(config(ws, "digest-c", f"target.model={moved}", f"train.hidden_cache_dir={cache}",
+                        "train.max_steps=2", "eval.every=0")).step == 2

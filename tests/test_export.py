@@ -374,3 +374,26 @@ def test_the_export_reads_the_targets_two_tensors_not_the_model(eagle3_dir, tmp_
     monkeypatch.undo()
     with pytest.raises(ValueError, match="heads do not fit this target: its embedding weights differ"):
         export(root / "heads", tmp_path / "out2", "speculators", target=str(tmp_path / "other"))
+
+
+def test_a_target_named_by_hub_id_is_read_from_the_hub_cache_not_loaded(eagle3_dir, tmp_path, monkeypatch):
+    """`--target org/name` (the heads' default target_name is a hub id): its two tensors are read from the snapshot
+    the Hugging Face cache holds, as for a local directory; the model is never loaded."""
+    import huggingface_hub.constants
+    import transformers
+
+    root, target, heads = eagle3_dir
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(root / "target", snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the export loaded the whole target")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    export(root / "heads", tmp_path / "out", "speculators", target="org/tiny")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(got, target.get_input_embeddings().weight.detach().float())

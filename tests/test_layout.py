@@ -19,7 +19,7 @@ KIND_NAMES = ("chained", "parallel", "eagle3", "dflash")
 # what a module is about; the rooms say what it may build on.
 ROOMS = {
     "base": ["medusa_train.base.errors", "medusa_train.base.files"],
-    "target": ["medusa_train.target.model", "medusa_train.target.states"],
+    "target": ["medusa_train.target.model", "medusa_train.target.weights", "medusa_train.target.states"],
     "kinds": ["medusa_train.kinds", "medusa_train.kinds.heads", "medusa_train.kinds.attention",
               "medusa_train.kinds.blocks",
               "medusa_train.kinds.speculators", "medusa_train.kinds.chained", "medusa_train.kinds.parallel",

@@ -35,7 +35,8 @@ from torch import nn
 
 from ..base.errors import ConfigError
 from ..base.files import atomic_write, atomic_write_text, remove_stale_temps
-from .model import fingerprint_difference, greedy_tokens, target_hidden
+from .model import fingerprint_difference, greedy_tokens, target_fingerprint, target_hidden
+from .weights import weights_digest
 
 META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.pt"
@@ -162,7 +163,8 @@ class TargetStates:
         meta = self.dir / META_NAME
         if meta.is_file():
             saved = json.loads(meta.read_text())
-            diff = fingerprint_difference(saved.get("target_fingerprint", {}), fingerprint)
+            diff = fingerprint_difference(saved.get("target_fingerprint", {}), fingerprint) or weights_difference(
+                saved.get("target_fingerprint", {}).get("weights"), fingerprint.get("weights"))
             if diff is not None:
                 raise ConfigError(f"train.hidden_cache_dir={self.dir} holds hidden states of another target "
                                   f"({diff}): point it at a new directory, or delete this one")
@@ -334,6 +336,22 @@ class TargetStates:
               f"written ({why}; {free / 2 ** 20:.1f} MiB free{reserve}): training goes on without caching more rows "
               "(those on disk are still read; free space, or point the cache at a larger disk, for the next run)",
               flush=True)
+
+
+def cache_fingerprint(cfg, target: nn.Module) -> dict[str, Any]:
+    """What ties a cache to the target that made it: `target_fingerprint` (sizes, the embedding's and LM head's
+    signatures, the adapter) and the digest of its files (`weights.weights_digest`: any tensor or config change).
+    `cfg`: the recipe's target section."""
+    return target_fingerprint(target) | {"weights": weights_digest(cfg.model, cfg.gguf_file, cfg.adapter)}
+
+
+def weights_difference(saved: str | None, now: str | None) -> str | None:
+    """Why a cache's recorded weights digest rules this target out (the tail of a sentence), or None. A cache
+    written before digests were recorded, or a target whose files are not on this machine, cannot be told: allowed."""
+    if saved and now and saved != now:
+        return ("its weight files differ from those the cache was made from (a fine-tune, a merged adapter or a "
+                "changed config that keeps the embedding and LM head)")
+    return None
 
 
 def read_shard(path: str | os.PathLike) -> dict[bytes, torch.Tensor]:

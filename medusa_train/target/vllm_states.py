@@ -69,8 +69,8 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     from ..config import ConfigError
     from ..data.rows import build_datasets
     from ..train.run import setup_forward_target, setup_heads
-    from .model import decoder_layers, greedy_tokens, load_model, load_tokenizer, target_fingerprint
-    from .states import TargetStates, row_key
+    from .model import decoder_layers, greedy_tokens, load_model, load_tokenizer
+    from .states import TargetStates, cache_fingerprint, row_key
 
     cache_dir = cfg.train.hidden_cache_dir
     if not cache_dir:
@@ -88,7 +88,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
     num_layers = len(decoder_layers(target))
     layers = vllm_layers(aux, num_layers)
     states = TargetStates(forward, target.get_output_embeddings(), directory=cache_dir,
-                          fingerprint=target_fingerprint(target), layers=aux)
+                          fingerprint=cache_fingerprint(cfg.target, target), layers=aux)
     rows: dict[bytes, list[int]] = {}  # the rows the cache lacks, by key (a row twice in the data: once)
     for ids in train_ds["input_ids"]:
         key = row_key(torch.tensor(ids))

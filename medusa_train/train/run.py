@@ -32,9 +32,9 @@ from .processes import (check_joint_distributed, check_output_dir_shared, say_pr
                         setup_accelerator, unwrapped)
 from ..target.sharding import describe as describe_sharding
 from ..target.sharding import check_shardable, loads_on_main_only, shard_target, take_over_sharding
-from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype, text_config,
-                            target_fingerprint)
-from ..target.states import TargetStates
+from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype,
+                            text_config)
+from ..target.states import TargetStates, cache_fingerprint
 from .tau import tau_prompt_ids
 
 
@@ -210,7 +210,7 @@ def setup_states(cfg: Config, accelerator, forward_target: torch.nn.Module, targ
                           "share their rows (train.hidden_cache_dir=DIR puts it elsewhere)")
     reserve = checkpoint_reserve(cfg, text_config(target.config), cache_dir) if cache_dir is not None else 0
     states = TargetStates(forward_target, target.get_output_embeddings(), cfg.train.cache_hidden, cache_dir,
-                          target_fingerprint(target), accelerator.process_index, layers=heads.target_layers,
+                          cache_fingerprint(cfg.target, target), accelerator.process_index, layers=heads.target_layers,
                           lockstep=lockstep and accelerator.num_processes > 1, reserve_bytes=reserve)
     if len(states):
         accelerator.print(f"hidden cache: {len(states)} rows mapped from {cache_dir}")
