@@ -186,10 +186,8 @@ class TrainConfig:
     """Gradient clipping norm; 0 disables clipping."""
     seed: int = 0
     log_every: int = 10
-    save_every: int = 0
-    """Checkpoint every this-many steps (0: only at the end)."""
-    keep_checkpoints: int = 2
-    """Rotate `output_dir/checkpoints/step-N`, keeping the newest this-many."""
+    save_every: int = 0  # checkpoint every this-many steps (0: only at the end)
+    keep_checkpoints: int = 2  # rotate output_dir/checkpoints/step-N, keeping the newest this-many
     max_nonfinite_steps: int = 10
     """An optimizer step whose gradient norm is not finite (a NaN or infinite loss or gradient) is skipped: no
     update, counted in `train/skipped_steps`. This many in a row stop the run with exit code 1, keeping the last
@@ -219,12 +217,14 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """eagle3, dflash: draft layers recomputed in backward, a seventh of their activations kept (docs/results.md)."""
     hidden_cache_dir: str = ""
-    """Keep those hidden states on disk here instead (implies cache_hidden), keyed by each row's token ids and
-    tied to the target's fingerprint, read memory-mapped (a row costs memory only while it is in a batch): the
-    processes of a run share their rows through it, and a later run on the same target (another head kind, other
-    steps or lr) reads them and skips the target forward even in its first epoch. Each process writes its new rows
-    as a shard file, atomically, every 512 MiB of them and at every epoch's end and the run's; a directory made for
-    another target is refused."""
+    """Keep those hidden states on disk here instead (implies cache_hidden), keyed by each row's token ids, tied to
+    the target's files, read memory-mapped: the processes of a run share their rows through it, and a later run on the
+    same target (another head kind, other steps or lr) skips the target forward even in its first epoch. Shards are
+    written atomically (every 512 MiB and each epoch's end); one that cannot be read is set aside and its rows
+    computed again; a full disk stops the caching, not the run; another target's directory is refused."""
+    process_timeout_minutes: float = 60.0
+    """How long a process waits for the others in a collective before the run fails (torch's default: 10 minutes
+    under NCCL): long enough for the main process to load a 70B target alone (FSDP2) or write a large checkpoint."""
 
 
 @dataclass
@@ -584,9 +584,9 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
     need(t.max_steps >= 0, f"train.max_steps must be >= 0 (0: use train.epochs), got {t.max_steps}")
     need(t.max_steps > 0 or t.epochs > 0, "train.epochs must be > 0 when train.max_steps is 0")
     need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
-    need(t.batch_size % world_size == 0,
-         f"train.batch_size={t.batch_size} does not divide across {world_size} processes; "
-         f"use a multiple of {world_size}")
+    need(t.batch_size % world_size == 0, f"train.batch_size={t.batch_size} does not divide across {world_size} "
+         f"processes; use a multiple of {world_size}")
+    need(t.process_timeout_minutes > 0, f"train.process_timeout_minutes must be > 0, got {t.process_timeout_minutes}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")

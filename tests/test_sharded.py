@@ -134,7 +134,7 @@ def test_what_a_sharded_target_cannot_run_is_refused_in_one_line(ws, tmp_path):
     proc = launch(ws, tmp_path / "tau", "train.max_steps=2", "eval.tau_every=1", "data.eval_size=4")
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "eval.tau_every generates on the main process alone" in errors[0], proc.stderr
+    assert len(errors) == 1 and "eval.tau_every generates on each process's own prompts" in errors[0], proc.stderr
     assert "set eval.tau_every=0" in errors[0]
     assert proc.stdout.strip().splitlines()[-1] == "train.py: exit code 2 (bad input, nothing trained)"
     assert not json.loads((tmp_path / "tau" / "exit_status.json").read_text())["code"] == 0

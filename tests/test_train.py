@@ -306,6 +306,34 @@ def test_two_processes_match_one_process_with_grad_accum_2(ws):
     assert r1[2]["train/loss"] == pytest.approx(r2[2]["train/loss"], rel=1e-4)
 
 
+def test_a_token_weighs_the_same_whatever_its_rows_length_and_micro_batch(ws):
+    """Rows of several lengths grouped by length (data.group_by_length), a step of 4 rows taken as one forward of 4 or
+    two of 2 (grad_accum 2: a micro-batch of long rows and one of short rows, at some steps): every supervised
+    position of a step weighs the same, so both end with the same heads. (Each forward averaging over its own
+    positions gave a short row's token more weight than a long row's.)"""
+    from medusa_train.data.rows import build_datasets
+    from medusa_train.target.model import load_tokenizer
+
+    from runs import WORDS
+
+    rng = random.Random(5)
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    with open(ws / "ragged.jsonl", "w") as f:  # chats with replies of 1 to 20 words: rows of many lengths
+        for _ in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": words(rng.randint(1, 4))},
+                                             {"role": "assistant", "content": words(rng.randint(1, 20))}]}) + "\n")
+    common = ["train.max_steps=8", "data.group_by_length=true", "eval.every=0", "train.keep_best=last",
+              f"data.dataset={ws / 'ragged.jsonl'}", "data.format=chat", "data.max_length=48"]
+    cfg = config(ws, "tw-split", "train.batch_size=2", "train.grad_accum=2", *common)
+    lengths = {len(r) for r in build_datasets(cfg, load_tokenizer(cfg.target))[0]["input_ids"]}
+    assert len(lengths) > 4  # rows of several lengths
+    train(cfg)
+    train(config(ws, "tw-whole", "train.batch_size=4", "train.grad_accum=1", *common))
+    assert max_diff(ws / "tw-split", ws / "tw-whole") <= 1e-5
+
+
 def test_warmup_cosine_schedule():
     from medusa_train.train.optim import warmup_cosine
 

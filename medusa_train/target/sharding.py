@@ -20,8 +20,8 @@ their shards and the whole rest from it, so a host holds one copy of the target 
 ZeRO-3 still loads it whole in every process.
 
 Every process must run the target's forward the same number of times (each layer's all-gather is collective): the
-hidden-state cache keeps them in step (`TargetStates(lockstep=True)`), and the real tau, which generates on the main
-process alone, is refused.
+hidden-state cache keeps them in step (`TargetStates(lockstep=True)`), and the real tau, which generates on each
+process's own prompts, is refused.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ def check_shardable(cfg: Config, world_size: int, sharding: Sharding = Sharding(
         raise ConfigError(f"{prefix}: target.forward_dtype={cfg.target.forward_dtype} keeps a second whole copy of "
                           "the target on every process; set target.forward_dtype=same")
     if cfg.eval.tau_every:
-        raise ConfigError(f"{prefix}: eval.tau_every generates on the main process alone, which a sharded target "
-                          "cannot (every process takes part in each layer); set eval.tau_every=0 and measure tau "
-                          "after training with python -m inference.bench")
+        raise ConfigError(f"{prefix}: eval.tau_every generates on each process's own prompts, which a sharded "
+                          "target cannot (every process takes part in each layer); set eval.tau_every=0 and measure "
+                          "tau after training with python -m inference.bench")
     if world_size < 2 and not sharding.offload:
         fix = ("or offload_param_device: cpu (one process, the target's layers in CPU memory)"
                if sharding.how == "zero3" else "or use recipes/accelerate/single_gpu.yaml")

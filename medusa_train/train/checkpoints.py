@@ -223,17 +223,11 @@ def resume(run, ckpt: Path | None) -> None:
     if written_by and written_by != now:  # the data order and each step's rows do not depend on the process count
         old_batch = int((saved.get("train") or {}).get("batch_size", cfg.train.batch_size))
         same = old_batch * now == cfg.train.batch_size * written_by
-        rows, batch = old_batch * old_accum, old_batch * now // written_by  # a step's rows; a split that keeps both
-        fix = (f"resume with train.batch_size={batch} train.grad_accum={rows // batch}"
-               if batch and (old_batch * now) % written_by == 0 and rows % batch == 0
-               else f"no split of {rows} rows a step over {now} processes does")
         run.accelerator.print(
             f"resume: the checkpoint was written by {written_by} process{'es' if written_by > 1 else ''}, this run has "
-            f"{now}: the same rows a step, in the same order" + (
-                ", split as before (each process's forward takes the rows one took), so the same steps" if same else
-                f"; each forward now takes {cfg.train.batch_size // now} rows instead of {old_batch // written_by}, "
-                "which weighs a step's positions a little differently (a forward averages over its own positions); "
-                f"for the very same steps, {fix}"))
+            f"{now}: the same rows a step, in the same order" + (", split as before" if same else
+                f", each forward now taking {cfg.train.batch_size // now} rows instead of {old_batch // written_by} "
+                "(a step weighs every supervised position alike however its rows are split: the same steps)"))
     p = run.position
     metrics = Path(run.cfg.output_dir) / METRICS_NAME
     if run.accelerator.is_main_process and metrics.is_file():  # rows logged after the checkpoint are logged again

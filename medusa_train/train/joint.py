@@ -72,9 +72,10 @@ def adapter_modules(peft_model: nn.Module) -> nn.ModuleList:
 
 
 def lm_kl(h: torch.Tensor, h_original: torch.Tensor, lm_head: nn.Module, valid: torch.Tensor, weight: float,
-          chunk_size: int, transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight x mean KL(original || adapted) over `valid` positions, with grad to h; the sum of that KL over
-    them, detached; the adapted target's greedy token at every position [B, T]).
+          chunk_size: int, transform: LogitTransform | None = None, token_sums: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight x mean KL(original || adapted) over `valid` positions (`token_sums`: the sum), with grad to h; the
+    sum of that KL over them, detached; the adapted target's greedy token at every position [B, T]).
 
     h, h_original [B, T, d]: the adapted and the original target's final states. Chunked over positions: the
     [rows, V] logits of a chunk live inside one `FusedHeadLoss` call, which also gives the gradient to h.
@@ -86,7 +87,7 @@ def lm_kl(h: torch.Tensor, h_original: torch.Tensor, lm_head: nn.Module, valid: 
         w = torch.cat([w, bias[:, None]], dim=1)
         flat, flat_o = (torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1) for x in (flat, flat_o))
     mask = valid.reshape(-1).float()
-    pos_weight = mask / mask.sum().clamp_min(1)
+    pos_weight = mask if token_sums else mask / mask.sum().clamp_min(1)
     no_target = torch.zeros(flat.shape[0], dtype=torch.long, device=h.device)  # unused: no cross-entropy term
     rows = chunk_positions(chunk_size, 1, w.shape[0], h.device)
     loss = h.new_zeros((), dtype=torch.float32)
@@ -114,11 +115,12 @@ class JointObjective(nn.Module):
     """The trainable part of a joint step: the adapted target's forward, the heads and both losses. `train()` and
     `eval()` reach the heads and the adapters' dropout; the base model stays in eval mode (its own dropout off)."""
 
-    def __init__(self, heads: DraftHeads, peft_model: nn.Module, cfg: LossConfig):
+    def __init__(self, heads: DraftHeads, peft_model: nn.Module, cfg: LossConfig, token_sums: bool = False):
         super().__init__()
         self.heads = heads
         self.adapters = adapter_modules(peft_model)
         self.cfg = cfg
+        self.token_sums = token_sums  # as HeadsObjective's
         self._peft = (peft_model,)  # a tuple: not registered, so neither DDP nor checkpoints see the base
 
     @property
@@ -143,14 +145,14 @@ class JointObjective(nn.Module):
                 h_original = decoder(model)(**kw).last_hidden_state
             with record_function("joint: KL to the original"):
                 lm_loss, kl[0], greedy = lm_kl(h[..., :d], h_original, lm_head, valid, self.cfg.lm_weight,
-                                               self.cfg.chunk_size, transform)
+                                               self.cfg.chunk_size, transform, self.token_sums)
         else:  # the adapters have not moved (warm-up) or nothing holds the target to the original
             lm_loss, greedy = 0.0, greedy_tokens(lm_head, h[..., :d].detach())
         with record_function("joint: heads and their loss"):
             dtype = next(self.heads.parameters()).dtype
             states = self.heads(h.to(dtype), input_ids, embed)
             loss, stats = chunked_head_losses(self.heads, states, h[..., :d], greedy * attention_mask, input_ids,
-                                              labels, attention_mask, lm_head, self.cfg, transform)
+                                              labels, attention_mask, lm_head, self.cfg, transform, self.token_sums)
         return loss + lm_loss, stats, kl.detach()
 
 

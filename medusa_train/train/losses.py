@@ -178,9 +178,10 @@ def hand_over(loss: torch.Tensor, weights: list[torch.Tensor], buffers: dict[int
 
 def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor, greedy: torch.Tensor,
                         input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                        lm_head: nn.Module | None, cfg: LossConfig, transform: LogitTransform | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Total loss (a scalar) and per-head statistics [K, len(STATS)] (sums; see `STATS`).
+                        lm_head: nn.Module | None, cfg: LossConfig, transform: LogitTransform | None = None,
+                        token_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Total loss (a scalar) and per-head statistics [K, len(STATS)] (sums; see `STATS`). The loss is each head's
+    mean over its supervised positions times decay**k; with `token_sums`, its sum over them (`HeadsObjective`).
 
     states [K, B, T, d] from `heads(h, input_ids, embed)`; h [B, T, d] the target's hidden states and greedy
     [B, T] its greedy token at every position (both from `TargetStates`); `lm_head` the target's frozen LM head
@@ -196,7 +197,8 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     target_idx = draft_index(heads, target_ids)
     counts = valid.sum(dim=(1, 2)).float()  # [K]; stays on device
     decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
-    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
+    # each head's mean over its positions, or (`token_sums`) its sum, which the trainer divides by the step's count
+    pos_weight = valid.float() * (decay if token_sums else decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     # position u of these holds u+1's: the target's state and greedy token one ahead, padded for the last
     # chunk's heads (head k at position t reads the teacher at t+1+k)
     h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, d)], dim=1)
@@ -260,7 +262,8 @@ def _head_chunk(heads: DraftHeads, k: int, s: torch.Tensor, w: torch.Tensor, tea
 def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
                          h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                          attention_mask: torch.Tensor | None, lm_head: nn.Module, cfg: LossConfig,
-                         transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         transform: LogitTransform | None = None, token_sums: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_head_losses` for states at some positions only: states [K, B, N, d] at positions `anchors` [B, N]
     (`anchor_valid` marks real ones), as dflash trains (`medusa_train.kinds.dflash`). Head k at position t is scored as
     there (data token x_{t+2+k}, the target's distribution at t+1+k, weight decay**k over its supervised positions);
@@ -274,7 +277,7 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
     target_idx = draft_index(heads, target_ids)
     counts = valid.sum(dim=(1, 2)).float()
     decay = torch.tensor([cfg.decay ** k for k in range(K)], device=states.device)
-    pos_weight = valid.float() * (decay / counts.clamp_min(1)).view(K, 1, 1)
+    pos_weight = valid.float() * (decay if token_sums else decay / counts.clamp_min(1)).view(K, 1, 1)
     teacher_at = (anchors[None] + 1 + torch.arange(K, device=anchors.device).view(K, 1, 1)).clamp_max(T - 1)
     teacher_w = teacher_b = None
     if heads.spec.draft_vocab_size:  # the teacher's rows: the target's LM head over the draft vocabulary, gathered once
@@ -313,11 +316,16 @@ class HeadsObjective(nn.Module):
     checkpoints and optimizers hold head parameters only.
     """
 
-    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None):
+    def __init__(self, heads: DraftHeads, cfg: LossConfig, transform: LogitTransform | None = None,
+                 token_sums: bool = False):
         super().__init__()
         self.heads = heads
         self.cfg = cfg
         self.transform = transform  # the target's final-logit transform (None: the identity)
+        # the loss summed over positions, not averaged: the trainer divides a step's gradient by the positions of the
+        # whole step (every micro-batch, every process), so that a token weighs the same in a short row's batch as in
+        # a long row's (`trainer.micro_step`)
+        self.token_sums = token_sums
 
     def forward(self, h: torch.Tensor, greedy: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None, embed: nn.Module, lm_head: nn.Module
@@ -333,9 +341,9 @@ class HeadsObjective(nn.Module):
         h = h[..., :self.heads.spec.hidden_size]  # the teacher reads h_t
         if positions is not None:
             return anchored_head_losses(self.heads, states, positions, valid, h, greedy, input_ids, labels,
-                                        attention_mask, lm_head, self.cfg, self.transform)
+                                        attention_mask, lm_head, self.cfg, self.transform, self.token_sums)
         return chunked_head_losses(self.heads, states, h, greedy, input_ids, labels, attention_mask, lm_head,
-                                   self.cfg, self.transform)
+                                   self.cfg, self.transform, self.token_sums)
 
 
 def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:

@@ -14,7 +14,9 @@ import torch
 
 from .checkpoints import METRICS_NAME
 from ..config import Config
-from .losses import STATS, summarize
+from .losses import COL, STATS, summarize
+
+COUNT = COL["count"]
 
 
 class Meter:
@@ -24,7 +26,9 @@ class Meter:
     def __init__(self, num_heads: int, device: torch.device, joint: bool = False) -> None:
         self.stats = torch.zeros(num_heads, len(STATS), device=device)  # summed per-head stats (losses.STATS)
         self.lm_kl = torch.zeros(2, device=device) if joint else None  # target.lora: KL sum and positions
-        self.loss = torch.zeros((), device=device)
+        self.loss = torch.zeros((), device=device)  # summed over positions (the objective's token sums)
+        self.positions = torch.zeros((), device=device)  # the supervised positions the loss was summed over
+        self.step_positions = torch.zeros((), device=device)  # those of the optimizer step under way, this process
         self.tokens = torch.zeros((), device=device, dtype=torch.long)
         self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step
         self.micro_steps = 0
@@ -36,10 +40,14 @@ class Meter:
         self.restart_clock()
 
     def add(self, loss: torch.Tensor, stats: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """A micro-batch's loss (summed over its positions) and statistics."""
+        positions = stats[0, COUNT].detach()
         if self.first_loss is None:
-            self.first_loss = loss.detach().clone()
+            self.first_loss = loss.detach() / positions.clamp_min(1)
         self.stats += stats.detach()
         self.loss += loss.detach()
+        self.positions += positions
+        self.step_positions += positions
         self.tokens += attention_mask.sum()
         self.micro_steps += 1
 
@@ -56,11 +64,22 @@ class Meter:
         return float(accelerator.reduce(self.first_loss, "sum") / accelerator.num_processes)
 
     def window_loss(self, accelerator) -> float | None:
-        """The mean loss since the last log, across processes (a host sync: called where a checkpoint is saved), or
-        None if no micro-step ran since."""
+        """The loss per supervised position since the last log, across processes (a host sync: called where a
+        checkpoint is saved), or None if no micro-step ran since."""
         if not self.micro_steps:
             return None
-        return float(accelerator.reduce(self.loss, "sum") / (self.micro_steps * accelerator.num_processes))
+        both = accelerator.reduce(torch.stack([self.loss, self.positions]), "sum")
+        return float(both[0] / both[1].clamp_min(1))
+
+    def step_scale(self, accelerator) -> torch.Tensor:
+        """What the step's accumulated gradient is multiplied by so that it is the gradient of the loss per
+        supervised position of the whole step (every micro-batch, every process): Accelerate divided each micro-batch's
+        by the accumulation steps and DDP averages over the processes, so GA x processes / the step's positions. A
+        small all-reduce, on the device (no host sync); starts the next step's count."""
+        total = accelerator.reduce(self.step_positions.clone(), "sum") if accelerator.num_processes > 1 \
+            else self.step_positions.clone()
+        self.step_positions.zero_()
+        return accelerator.gradient_accumulation_steps * accelerator.num_processes / total.clamp_min(1)
 
     def restart_clock(self) -> None:
         """tokens/s measures training only: restart after evaluating or saving."""
@@ -69,7 +88,8 @@ class Meter:
     def row(self, accelerator, cfg: Config, position: dict[str, int], lr: float) -> dict[str, float]:
         """The metrics row of this log step (adds the tokens seen to `position`), then start over."""
         stats = accelerator.reduce(self.stats, "sum")
-        loss = accelerator.reduce(self.loss, "sum") / (self.micro_steps * accelerator.num_processes)
+        both = accelerator.reduce(torch.stack([self.loss, self.positions]), "sum")
+        loss = both[0] / both[1].clamp_min(1)
         tokens = int(accelerator.reduce(self.tokens, "sum"))  # the host sync
         position["tokens"] += tokens
         row = {f"train/{k}": v for k, v in summarize(stats, cfg.loss).items()}
@@ -82,7 +102,7 @@ class Meter:
             kl = accelerator.reduce(self.lm_kl, "sum")
             row["train/lm_kl"] = float(kl[0] / kl[1].clamp_min(1))
             self.lm_kl.zero_()
-        self.stats.zero_(), self.loss.zero_(), self.tokens.zero_()
+        self.stats.zero_(), self.loss.zero_(), self.positions.zero_(), self.tokens.zero_()
         self.micro_steps = 0
         self.restart_clock()
         return row

@@ -17,14 +17,18 @@ from ..config import Config, ConfigError
 
 def setup_accelerator(cfg: Config):
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration
+    from datetime import timedelta
+
+    from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
+                                  ProjectConfiguration)
 
     # Accelerate forms a CPU (gloo) process group under torchrun only when asked for the CPU explicitly
     multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     # the heads' warm-up of joint training leaves the adapters out of the step: DDP must be told
     unused = bool(cfg.target.lora.r and cfg.train.heads_warmup_steps)
     return Accelerator(
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused)],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused),
+                         InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.train.process_timeout_minutes))],
         cpu=multi_cpu,
         gradient_accumulation_steps=cfg.train.grad_accum,
         # the schedule counts optimizer steps; stepping it once per step keeps it independent of world size

@@ -56,7 +56,7 @@ class Run:
     total_steps: int
     peft: Any = None  # target.lora: the PeftModel around the target (whose base model `target` is)
     best: Best = field(default_factory=lambda: Best("last"))  # the best heads so far (train.keep_best)
-    tau_prompts: list[list[int]] = field(default_factory=list)  # the real-tau prompts (main process; eval.tau_every)
+    tau_prompts: list[list[int]] = field(default_factory=list)  # the real-tau prompts (eval.tau_every)
     position: dict[str, int] = field(default_factory=lambda: {"step": 0, "epoch": 0, "batch_in_epoch": 0,
                                                               "tokens": 0})
 
@@ -171,8 +171,8 @@ def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
             f.write(json.dumps({"step": 0, "data/rows": info["rows"], "data/eval_rows": info["eval_rows"],
                                 "data/tokens": info["tokens"], "data/dropped": dropped,
                                 "data/drop_reasons": info["drop_reasons"]}) + "\n")
-    tau_prompts = []  # the real tau's prompts, read before the model loads (the main process generates)
-    if cfg.eval.tau_every and accelerator.is_main_process:
+    tau_prompts = []  # the real tau's prompts, read before the model loads (every process generates on its share)
+    if cfg.eval.tau_every:
         tau_prompts = tau_prompt_ids(cfg, tokenizer, eval_ds)
         if not tau_prompts:
             where = cfg.eval.tau_prompts or "the held-out split"
@@ -221,8 +221,8 @@ def make_objective(cfg: Config, heads: DraftHeads, target: torch.nn.Module, peft
     """What a training step runs: the heads and their loss (`HeadsObjective`), or with `peft` the adapted target too
     (`JointObjective`)."""
     if peft is not None:
-        return JointObjective(heads, peft, cfg.loss)
-    return HeadsObjective(heads, cfg.loss, logit_transform(target.config))
+        return JointObjective(heads, peft, cfg.loss, token_sums=True)
+    return HeadsObjective(heads, cfg.loss, logit_transform(target.config), token_sums=True)
 
 
 def setup_best(run: Run, has_eval_split: bool, resumed: bool) -> None:

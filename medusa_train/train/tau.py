@@ -82,7 +82,7 @@ def measure_tau(heads: DraftHeads, target: nn.Module, topk_accuracy: Sequence[Se
                 self_check: bool = True) -> dict[str, Any]:
     """Greedy generation with a copy of `heads` on each prompt at the pinned tree `budget`: {"tau" (new tokens per
     target forward, all prompts together), "tokens_per_s" (this machine, this moment), "new_tokens",
-    "target_forwards", "prompts"}. Leaves the global RNG and the target's mode as they were."""
+    "target_forwards", "prompts", "seconds"}. Leaves the global RNG and the target's mode as they were."""
     was_training = target.training
     new = forwards = 0
     seconds = 0.0
@@ -98,4 +98,4 @@ def measure_tau(heads: DraftHeads, target: nn.Module, topk_accuracy: Sequence[Se
             forwards += out.stats.target_forwards
     target.train(was_training)
     return {"tau": new / max(forwards, 1), "tokens_per_s": new / max(seconds, 1e-9), "new_tokens": new,
-            "target_forwards": forwards, "prompts": len(prompts)}
+            "target_forwards": forwards, "prompts": len(prompts), "seconds": seconds}

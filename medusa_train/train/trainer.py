@@ -81,7 +81,12 @@ def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> bool:
                                                run.embed, run.lm_head, joint)
             meter.lm_kl += lm_kl
         accelerator.backward(loss)
+        meter.add(loss, stats, batch["attention_mask"])
         if accelerator.sync_gradients:
+            # the loss is summed over positions: the step's gradient is divided by all of the step's positions, so
+            # every supervised token weighs the same, whatever its row's length and the micro-batch it fell in
+            torch._foreach_mul_([p.grad for p in run.objective.parameters() if p.grad is not None],
+                                meter.step_scale(accelerator))
             meter.grad_norm = accelerator.clip_grad_norm_(run.objective.parameters(),
                                                           run.cfg.train.max_grad_norm or float("inf"))
             # one host read per optimizer step (torch's GradScaler makes the same one to skip a step)
@@ -89,7 +94,6 @@ def micro_step(run: Run, batch: dict[str, torch.Tensor], meter: Meter) -> bool:
         if finite:
             run.optimizer.step()  # a no-op on accumulation micro-steps (Accelerate skips it)
         run.optimizer.zero_grad(set_to_none=True)
-    meter.add(loss, stats, batch["attention_mask"])
     return finite
 
 
@@ -212,18 +216,21 @@ def evaluate_and_keep(run: Run, step: int, batches, split: str, final: bool = Fa
 
 
 def real_tau(run: Run, acceptance: dict[str, Any] | None) -> dict[str, Any]:
-    """The engine's tau with the heads as they are (`tau.measure_tau`), measured by the main process while the
-    others wait; every process gets the result."""
-    from accelerate.utils import broadcast_object_list
-
+    """The engine's tau with the heads as they are (`tau.measure_tau`): every process generates on its share of the
+    prompts (so none waits in a collective while another generates, however many prompts there are), and the sums of
+    all of them give every process the result: the same as one process generating on all of them."""
     cfg, accelerator = run.cfg, run.accelerator
-    result = None
+    mine = run.tau_prompts[accelerator.process_index::accelerator.num_processes]
     with full_params(accelerator, run.objective):
-        if accelerator.is_main_process:
-            result = measure_tau(run.heads, run.target, acceptance["topk_accuracy"] if acceptance else None,
-                                 run.tau_prompts, cfg.eval.tau_budget, cfg.eval.tau_max_new_tokens)
-    accelerator.wait_for_everyone()
-    return broadcast_object_list([result])[0]
+        part = measure_tau(run.heads, run.target, acceptance["topk_accuracy"] if acceptance else None, mine,
+                           cfg.eval.tau_budget, cfg.eval.tau_max_new_tokens)
+    sums = torch.tensor([part["new_tokens"], part["target_forwards"], part["seconds"], part["prompts"]],
+                        dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums, "sum")
+    new, forwards, seconds, prompts = sums.tolist()
+    return {"tau": new / max(forwards, 1), "tokens_per_s": new / max(seconds, 1e-9), "new_tokens": int(new),
+            "target_forwards": int(forwards), "prompts": int(prompts)}
 
 
 def evaluate_heads(run: Run, batches) -> tuple[dict[str, float], dict[str, Any]]:
