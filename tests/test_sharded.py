@@ -88,6 +88,7 @@ def test_each_process_holds_half_of_every_decoder_layer(sharded):
     assert row["target/bytes_here"] == pytest.approx(
         row["target/bytes_whole"] - row["target/bytes_layers_whole"] + row["target/bytes_layers_here"], rel=1e-6)
     assert f"target sharded over 2 processes ({LAUNCHERS[config]}, one unit per decoder layer)" in proc.stdout
+    assert "target: each process reads its own share of the checkpoint's files" in proc.stdout  # none holds it all
     assert "host memory while loading the target: peak " in proc.stdout  # each process's, as it loaded
     assert len(row["target/host_peak_bytes_by_process"]) == 2 and min(row["target/host_peak_bytes_by_process"]) > 0
 
@@ -117,6 +118,22 @@ def test_eagle3_heads_read_the_sharded_layers(ws, config, processes, flags):
     if not one.exists():
         one_process(ws, one, *args)
     assert max_diff(one, out) <= 1e-5
+
+
+def test_a_checkpoint_that_cannot_be_read_a_share_at_a_time_loads_on_the_main_process(ws, one_chained):
+    """A pytorch_model.bin checkpoint (no safetensors to slice): FSDP2's main process loads it and sends each process
+    its share, said in one line, and the heads are those of one process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    binary = ws / "model-bin"
+    shutil.copytree(ws / "model", binary, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(AutoModelForCausalLM.from_pretrained(ws / "model").state_dict(), binary / "pytorch_model.bin")
+    out = ws / "sharded-bin"
+    proc = launch(ws, out, *COMMON, f"target.model={binary}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the main process loads it and sends each process its share" in proc.stdout
+    assert max_diff(one_chained, out) <= 1e-5
 
 
 def test_resume_under_sharding_ends_where_the_uninterrupted_run_ends(ws, sharded):

@@ -246,8 +246,9 @@ def _build_kwargs(cfg: TargetConfig, dtype: torch.dtype) -> dict:
 
 
 def model_skeleton(cfg: TargetConfig, dtype: torch.dtype) -> nn.Module:
-    """The target's modules with no weights (every tensor on the meta device), frozen: what a process builds when
-    another one reads the checkpoint and sends it its share (`sharding.shard_target(..., from_main=True)`)."""
+    """The target's modules with no weights (every parameter on the meta device; the buffers its construction
+    computes, real), frozen: what a process builds before it reads its share of a sharded target from the files, or
+    receives it from the main process (`sharding.shard_target`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_hub_reachable(cfg.model, filename=cfg.gguf_file)
@@ -255,7 +256,9 @@ def model_skeleton(cfg: TargetConfig, dtype: torch.dtype) -> nn.Module:
         config = AutoConfig.from_pretrained(cfg.model, **_common_kwargs(cfg))
     except (OSError, ValueError) as e:
         raise _load_error(cfg, "model", e) from None
-    with torch.device("meta"):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # buffers computed as construction computes them (rotary's)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code,
                                                  **_build_kwargs(cfg, dtype))
     model.eval()

@@ -146,12 +146,15 @@ def loads_on_main_only(sharding: Sharding | None, world_size: int) -> bool:
 
 
 def shard_target(target: nn.Module, device: torch.device, sharding: Sharding = Sharding("fsdp2"),
-                 from_main: bool = False) -> dict[str, int]:
+                 from_main: bool = False, files: dict[str, Path] | None = None) -> dict[str, int]:
     """Shard each decoder layer of the frozen `target` across the process group (in place); the rest moves to
-    `device` whole. `from_main` (FSDP2): only the main process's `target` holds weights, the others' are on the meta
-    device (`model.model_skeleton`); the main process sends each one its shards and the whole rest, tensor by tensor.
-    Returns the bytes of the target's weights: whole, held by this process (on the device, or in CPU memory with
-    ZeRO-3's offload), and those of the layers that are sharded (whole and held here)."""
+    `device` whole. `files` ({parameter: its safetensors file}, `weights.files_holding`): every process's `target` is
+    a skeleton (`model.model_skeleton`) and each reads its own share from the files, its slices of each sharded
+    tensor (FSDP2) or one decoder layer at a time, partitioned before the next is read (ZeRO-3): no process ever holds
+    the whole target. Else `from_main` (FSDP2): only the main process's `target` holds weights, the others' are
+    skeletons; the main process sends each one its shards and the whole rest, tensor by tensor. Returns the bytes of
+    the target's weights: whole, held by this process (on the device, or in CPU memory with ZeRO-3's offload), and
+    those of the layers that are sharded (whole and held here)."""
     from .model import decoder_layers
 
     layers = decoder_layers(target)
@@ -161,21 +164,58 @@ def shard_target(target: nn.Module, device: torch.device, sharding: Sharding = S
 
         world = torch.distributed.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
-        full = _full_state(target) if from_main else None
+        full = _full_state(target) if from_main and files is None else None
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        if from_main and torch.distributed.get_rank() != 0:
+        if files is not None:
+            _read_own_shares(target, files, device)
+        elif from_main and torch.distributed.get_rank() != 0:
             target.to_empty(device=device)
             target.tie_weights()
         else:
             target.to(device)
-        if from_main:
+        if from_main and files is None:
             _receive_from_main(target, full, device)
     else:
-        world = _zero3_layers(target, layers, device, sharding.offload)
+        world = _zero3_layers(target, layers, device, sharding.offload, files)
     return {"whole": _bytes(target.parameters(), local=False), "here": _bytes(target.parameters(), local=True),
             "layers_whole": _bytes(layers.parameters(), local=False),
             "layers_here": _bytes(layers.parameters(), local=True), "processes": world}
+
+
+def _materialize(module: nn.Module, device: torch.device | str, read, model: nn.Module, prefix: str = "") -> None:
+    """Give a skeleton `module` (parameters on the meta device, buffers computed at construction) storage on `device`
+    and its weights from the files (`read`, a `weights.TensorReader`; `prefix`: the module's name in the model):
+    FSDP2's sharded parameters take only this process's slice of each tensor. The buffers are kept as computed."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    module.to_empty(device=device)
+    if module is model:
+        model.tie_weights()  # to_empty gave a tied LM head storage of its own: it is the embedding again
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+        for name, p in module.named_parameters():
+            key = prefix + name
+            if isinstance(p, DTensor):  # FSDP2 shards dim 0: this process's rows are one run of the file's bytes
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if any(offset[1:]) or list(shape[1:]) != list(p.shape[1:]):
+                    raise ValueError(f"{key}: sharded along a dimension other than the first ({p.placements})")
+                local = p.to_local()
+                if local.numel():
+                    local.copy_(read.rows(key, offset[0], shape[0]))
+            else:
+                p.copy_(read.tensor(key))
+
+
+def _read_own_shares(target: nn.Module, files: dict[str, Path], device: torch.device) -> None:
+    """FSDP2 from the files: every process reads its slices of the sharded layers and the whole rest."""
+    from .weights import TensorReader
+
+    with TensorReader(files) as read:
+        _materialize(target, device, read, target)
 
 
 def _full_state(target: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -204,13 +244,21 @@ def _receive_from_main(target: nn.Module, full: dict[str, torch.Tensor] | None, 
             setattr(target, key, value)
 
 
-def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device, offload: bool) -> int:
+def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device, offload: bool,
+                  files: dict[str, Path] | None = None) -> int:
     """ZeRO-3 parameter partitioning, one unit per decoder layer (each its own root: gathered at its forward, released
-    after it, like FSDP2's units); the rest of the target moves to `device` first, whole. Returns the world size."""
+    after it, like FSDP2's units); the rest of the target moves to `device` first, whole. With `files` (`target` a
+    skeleton) each layer is read from them just before it is partitioned, so a process holds its partitions and one
+    layer. Returns the world size."""
     import deepspeed
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
+    from .weights import TensorReader
+
+    read = TensorReader(files or {})
+    if files is not None:  # the rest of the target, whole on the device (each layer comes as it is partitioned)
+        _materialize_outside(target, layers, device, read)
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     for t in [*target.parameters(), *target.buffers()]:
         if id(t) not in in_layers:
@@ -235,9 +283,29 @@ def _zero3_layers(target: nn.Module, layers: nn.ModuleList, device: torch.device
     # not pinned (DeepSpeed's default): pinning a large target's layers can exceed a container's locked-memory limit
     offload_config = DeepSpeedZeroOffloadParamConfig(device="cpu", pin_memory=False) if offload \
         else None
-    target.medusa_zero3 = [DeepSpeedZeRoOffload(layer, timers=None, ds_config=config, param_persistence_threshold=0,
-                                                offload_param_config=offload_config) for layer in layers]
+    names = {id(m): n for n, m in target.named_modules()}
+    target.medusa_zero3 = []
+    with read:
+        for layer in layers:
+            if files is not None:
+                _materialize(layer, "cpu", read, target, prefix=names[id(layer)] + ".")
+            target.medusa_zero3.append(DeepSpeedZeRoOffload(layer, timers=None, ds_config=config,
+                                                            param_persistence_threshold=0,
+                                                            offload_param_config=offload_config))
     return torch.distributed.get_world_size()
+
+
+def _materialize_outside(target: nn.Module, layers: nn.ModuleList, device: torch.device, read) -> None:
+    """The skeleton's parameters outside `layers` (embedding, final norm, LM head), read whole from the files onto
+    `device`; the layers stay on the meta device."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    in_layers = {id(p) for p in layers.parameters()}
+    with torch.no_grad():
+        for key, p in list(target.named_parameters()):
+            if id(p) not in in_layers:
+                set_module_tensor_to_device(target, key, device, value=read.tensor(key), dtype=p.dtype)
+    target.tie_weights()
 
 
 def _free_port() -> int:

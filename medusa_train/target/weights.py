@@ -17,6 +17,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -154,3 +155,91 @@ def weight_map(path: Path) -> dict[str, Path] | None:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             return {k: path / "model.safetensors" for k in f.keys()}
     return None
+
+
+def files_holding(model: torch.nn.Module, name: str | os.PathLike) -> dict[str, Path] | None:
+    """{parameter name: the safetensors file holding it} when the checkpoint `name` (a local directory or a hub id in
+    the cache) holds every parameter of `model` (a skeleton built from its config) under its own name and shape, so
+    that each can be read alone (`TensorReader`); None otherwise (GGUF, .bin, names the loader converts): the caller
+    then loads the model."""
+    path = local_dir(name)
+    where = weight_map(path) if path is not None else None
+    if where is None:
+        return None
+    shapes = {}
+    for file in set(where.values()):
+        header, _ = _safetensors_header(file)
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    out = {}
+    for key, p in model.named_parameters():
+        if shapes.get(key) != list(p.shape):
+            return None
+        out[key] = where[key]
+    return out
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class TensorReader:
+    """Reads single tensors, or runs of their rows, from safetensors files with plain reads (a context manager): no
+    more of a checkpoint is in this process's memory than the piece asked for. (A memory-mapped read, as
+    `safetensors.safe_open` makes, leaves every page it touched mapped into the process while the file is open: a
+    sharded load through it held its share twice, and ZeRO-3's layer-by-layer read the whole checkpoint.)"""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.headers: dict[Path, tuple[dict, int]] = {}
+        self.open: dict[Path, Any] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open.clear()
+
+    def _read(self, key: str, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Rows first..first+count of tensor `key` (all of it by default), read from its file."""
+        path = self.files[key]
+        if path not in self.open:
+            self.headers[path] = _safetensors_header(path)
+            self.open[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by __exit__
+        header, start = self.headers[path]
+        info = header[key]
+        shape, (begin, end) = list(info["shape"]), info["data_offsets"]
+        if count is not None:
+            row = (end - begin) // max(shape[0], 1)
+            begin, end, shape[0] = begin + first * row, begin + (first + count) * row, count
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        view, f = memoryview(out.numpy()), self.open[path]
+        f.seek(start + begin)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise ValueError(f"{path} ends inside tensor {key}: the file is damaged or incomplete")
+            done += n
+        return out.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(shape)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._read(key)
+
+    def rows(self, key: str, first: int, count: int) -> torch.Tensor:
+        """`tensor(key)[first:first + count]`, reading those bytes only."""
+        return self._read(key, first, count)
+
+
+def load_generation_config(model: torch.nn.Module, name: str | os.PathLike) -> None:
+    """Give a model built from its config (not `from_pretrained`) the generation config its checkpoint ships, if any."""
+    from transformers import GenerationConfig
+
+    path = local_dir(name)
+    if path is not None and (path / "generation_config.json").is_file():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(path))
+        except (OSError, ValueError):
+            pass

@@ -35,6 +35,7 @@ from ..target.sharding import check_shardable, loads_on_main_only, shard_target,
 from ..target.model import (load_model, load_tokenizer, logit_transform, model_skeleton, resolve_dtype,
                             text_config)
 from ..target.states import TargetStates, cache_fingerprint
+from ..target.weights import files_holding, load_generation_config
 from .tau import tau_prompt_ids
 
 
@@ -101,24 +102,17 @@ def setup(cfg: Config) -> Run:
         accelerator.print(room)  # before the model loads: a cache that cannot fit is refused now, not an epoch in
     # a sharded target loads on the CPU (each process then keeps its shards on the device); under FSDP2 only the main
     # process reads the checkpoint, the others build the model on the meta device and receive their shards
-    dtype = resolve_dtype(cfg.target.dtype, accelerator.device)
-    from_main = loads_on_main_only(sharded, accelerator.num_processes)
-    if from_main and not accelerator.is_main_process:
-        target = model_skeleton(cfg.target, dtype)
-    else:
-        target = load_model(cfg.target, "cpu" if sharded else accelerator.device, dtype)
+    target, sizes = load_target(cfg, accelerator, sharded)
     peft = None
     if cfg.target.lora.r:
         check_joint_distributed(accelerator)
         peft = add_lora(target, cfg.target.lora)
         target = peft.get_base_model()  # the same model, with the adapters in its layers
     forward_target = setup_forward_target(cfg, target, accelerator.device)
-    if from_main:  # the weights arrive with the shards, and the heads start from some of them
-        sizes = shard_target(target, accelerator.device, sharded, from_main=True)
     heads = setup_heads(cfg, target, train_ds, tokenizer)
     heads.recompute = cfg.train.activation_checkpointing
     if sharded:
-        if not from_main:
+        if sizes is None:  # ZeRO-3 from a whole copy a process
             sizes = shard_target(target, accelerator.device, sharded)
         heads.to(accelerator.device)
         accelerator.print(describe_sharding(sizes, sharded))
@@ -149,6 +143,31 @@ def setup(cfg: Config) -> Run:
     setup_best(run, eval_ds is not None, resumed=ckpt is not None)
     run.tau_prompts = tau_prompts
     return run
+
+
+def load_target(cfg: Config, accelerator, sharded) -> tuple[torch.nn.Module, dict[str, int] | None]:
+    """The frozen target and, when it was sharded as it loaded, what this process holds of it (else None). Sharded
+    (`sharded`: what the launcher asked for), every process reads its own share from the checkpoint's safetensors
+    files (`weights.files_holding`: its slices of each sharded tensor, or one ZeRO-3 layer at a time), so no process
+    ever holds the whole target; where the files cannot be read so (GGUF, an adapter to merge, weights the loader
+    renames), FSDP2's main process loads it and sends each process its share, and ZeRO-3 loads it whole on every
+    process (sharded by the caller, after the heads are built)."""
+    dtype = resolve_dtype(cfg.target.dtype, accelerator.device)
+    if sharded is None:
+        return load_model(cfg.target, accelerator.device, dtype), None
+    skeleton = model_skeleton(cfg.target, dtype)
+    files = None if cfg.target.adapter or cfg.target.gguf_file else files_holding(skeleton, cfg.target.model)
+    if files is not None:
+        accelerator.print("target: each process reads its own share of the checkpoint's files")
+        load_generation_config(skeleton, cfg.target.model)
+        return skeleton, shard_target(skeleton, accelerator.device, sharded, files=files)
+    accelerator.print("target: its files cannot be read a share at a time (GGUF, an adapter, renamed weights): "
+                      + ("the main process loads it and sends each process its share" if
+                         loads_on_main_only(sharded, accelerator.num_processes) else "each process loads it whole"))
+    if loads_on_main_only(sharded, accelerator.num_processes):
+        target = load_model(cfg.target, "cpu", dtype) if accelerator.is_main_process else skeleton
+        return target, shard_target(target, accelerator.device, sharded, from_main=True)
+    return load_model(cfg.target, "cpu", dtype), None
 
 
 def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
