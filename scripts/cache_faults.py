@@ -1,5 +1,5 @@
 """The hidden-state cache under real faults, where the test suite injects them: a disk that fills in the middle of a
-run (a 4 MB tmpfs, filled by another writer once training has started: needs root to mount), and `kill -9` of
+run (an 8 MB tmpfs, filled by another writer once training has started: needs root to mount), and `kill -9` of
 `train.py` at random moments, resumed each time. Each ends with heads equal to an uncached run's, no temp file left,
 every shard readable.
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 ENV = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-STEPS = ["train.max_steps=120", "train.save_every=5", "train.log_every=5", "eval.every=0", "train.keep_best=last"]
+STEPS = ["train.max_steps=120", "train.save_every=5", "train.log_every=1", "eval.every=0", "train.keep_best=last"]
 
 
 def train(tmp: Path, out: Path, *more: str, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
@@ -46,12 +46,12 @@ def check_cache(cache: Path) -> str:
 
 
 def full_disk(tmp: Path) -> dict:
-    """The cache on a 4 MB tmpfs; once training says the cache's size, a filler takes all but 64 KiB of it."""
+    """The cache on an 8 MB tmpfs; once training says the cache's size, a filler takes all but 64 KiB of it."""
     from runs import max_diff
 
     mount = tmp / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
     try:
         proc = train(tmp, tmp / "full", f"train.hidden_cache_dir={mount / 'cache'}", wait=False)
         lines = []
@@ -86,22 +86,38 @@ def shard_write_error(mount: Path) -> str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}; {len(left)} temp files left"
 
 
+def logged(metrics: Path) -> int:
+    """The last step metrics.jsonl logged."""
+    steps = []
+    for line in metrics.read_text().splitlines():
+        try:
+            steps.append(json.loads(line).get("step", 0) if "train/loss" in line else 0)
+        except ValueError:  # a line being written
+            continue
+    return max(steps, default=0)
+
+
 def kills(tmp: Path, n: int, seed: int) -> dict:
-    """`n` kill -9s of train.py at random moments (0.5-6 s after it starts), each resumed, then a run to the end."""
+    """`n` kill -9s of train.py at random moments (1-30 steps past where the last one got, plus up to 0.3 s: in a
+    step, a checkpoint, the epoch's end and its flush, the run's end), each resumed, then a run to the end."""
     from runs import max_diff
 
     rng = random.Random(seed)
     cache, out = tmp / "kill-cache", tmp / "killed"
     moments = []
     for _ in range(n):
+        metrics = out / "metrics.jsonl"
+        reached = logged(metrics) if metrics.is_file() else 0
+        step, extra = min(119, reached + rng.randint(1, 30)), rng.uniform(0.0, 0.3)
         proc = train(tmp, out, f"train.hidden_cache_dir={cache}", wait=False)
-        moment = rng.uniform(0.5, 6.0)
-        time.sleep(moment)
+        while proc.poll() is None and not (metrics.is_file() and logged(metrics) >= step):
+            time.sleep(0.01)
+        time.sleep(extra)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        moments.append(round(moment, 2))
+        moments.append({"after_step": step, "plus_s": round(extra, 2), "killed": proc.returncode == -signal.SIGKILL})
     done = train(tmp, out, f"train.hidden_cache_dir={cache}")
-    return {"kills_at_s": moments, "exit": done.returncode, "cache": check_cache(cache),
+    return {"kills": moments, "exit": done.returncode, "cache": check_cache(cache),
             "max_diff_to_uncached": max_diff(tmp / "ref", out) if done.returncode == 0 else None}
 
 

@@ -214,7 +214,7 @@ class TargetStates:
         except OSError:
             aside = path
         self.opened.add(path.name)
-        print(f"warning: train.hidden_cache_dir: {problem}: set aside as {aside.name}; its rows are computed again",
+        print(f"\nwarning: train.hidden_cache_dir: {problem}: set aside as {aside.name}; its rows are computed again",
               flush=True)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -332,7 +332,7 @@ class TargetStates:
         computing the others (the unwritten rows' memory is freed)."""
         self.writing = False
         reserve = f", {self.reserve_bytes / 2 ** 30:.2f} GiB kept for the checkpoints" if self.reserve_bytes else ""
-        print(f"warning: train.hidden_cache_dir={self.dir}: a shard of {n} rows ({need / 2 ** 20:.1f} MiB) cannot be "
+        print(f"\nwarning: train.hidden_cache_dir={self.dir}: a shard of {n} rows ({need / 2 ** 20:.1f} MiB) cannot be "
               f"written ({why}; {free / 2 ** 20:.1f} MiB free{reserve}): training goes on without caching more rows "
               "(those on disk are still read; free space, or point the cache at a larger disk, for the next run)",
               flush=True)
