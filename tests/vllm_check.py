@@ -6,6 +6,8 @@ with each prompt's output token ids and vLLM's speculative-decoding counters (or
     RUNS.json: [{"target": DIR, "draft": DIR | "self" | null, "prompts": [[ids], ...], "max_tokens": 32,
                  "num_speculative_tokens": 3, "temperature": 0.0, "seed": 0}, ...]
 
+"record_drafts": true also returns every draft vLLM's proposer made (`record_drafts`), the engine run in-process.
+
 "draft": "self" with "target": EXPORT serves the export alone (`LLM(model=EXPORT)`: vLLM takes the verifier from its
 config).
 """
@@ -21,8 +23,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from vllm_serve_bench import counters  # noqa: E402 - vLLM's counters, read as the measurement script reads them
 
 
+def record_drafts() -> list[dict]:
+    """Every call of vLLM's proposer, in this process (the engine run in-process): the positions of the target states
+    it was given, the tokens it drafted from, and the draft token ids it returned, one row a request."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    log: list[dict] = []
+    real = SpecDecodeBaseProposer.propose
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, *args, **kwargs):
+        out = real(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                   next_token_ids, *args, **kwargs)
+        log.append({"first_position": int(target_positions.reshape(-1)[0]), "next": next_token_ids.tolist(),
+                    "drafts": out.tolist()})
+        return out
+
+    SpecDecodeBaseProposer.propose = propose
+    return log
+
+
 def serve(run: dict) -> dict:
+    import os
+
+    if run.get("record_drafts"):  # the drafter must run in this process to be watched
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+
+    log = record_drafts() if run.get("record_drafts") else None
 
     kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 512), seed=run["seed"],
                   disable_log_stats=False, max_num_seqs=run.get("max_num_seqs", 1))
@@ -34,7 +62,8 @@ def serve(run: dict) -> dict:
         params = SamplingParams(temperature=run["temperature"], max_tokens=run["max_tokens"], ignore_eos=True,
                                 seed=run["seed"])
         outs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
-        return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec_decode": counters(llm)}
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec_decode": counters(llm)}
+        return result | ({"drafts": log} if log is not None else {})
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
