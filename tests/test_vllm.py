@@ -417,8 +417,9 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
     (438 on this tiny Llama) but 30, in each of which our top two candidates are within 0.023 in log-probability:
     vLLM's CPU computation of the block differs from ours (float32 and float64 alike) by about that, most at the
     longer, repetitive contexts late in a reply, and with this weak drafter such near-ties steer the later steps apart.
-    So the test asserts the drafts outside NEAR_TIE; exports with an aux layer shifted or another mask token differ
-    there. Where vLLM's difference comes from (a kernel's precision, or a position) is not yet found."""
+    So the test asserts the drafts outside NEAR_TIE; an export with another mask token differs there (109 slots), one
+    with its aux layers shifted past the target's last is refused. Where vLLM's difference comes from (a kernel's
+    precision, or a position) is not yet found."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir = trained_dflash
