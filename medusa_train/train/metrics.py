@@ -76,8 +76,7 @@ class Meter:
         supervised position of the whole step (every micro-batch, every process): Accelerate divided each micro-batch's
         by the accumulation steps and DDP averages over the processes, so GA x processes / the step's positions. A
         small all-reduce, on the device (no host sync); starts the next step's count."""
-        total = accelerator.reduce(self.step_positions.clone(), "sum") if accelerator.num_processes > 1 \
-            else self.step_positions.clone()
+        total = accelerator.reduce(self.step_positions, "sum")  # a copy (one process: as it is)
         self.step_positions.zero_()
         return accelerator.gradient_accumulation_steps * accelerator.num_processes / total.clamp_min(1)
 

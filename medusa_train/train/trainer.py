@@ -226,9 +226,7 @@ def real_tau(run: Run, acceptance: dict[str, Any] | None) -> dict[str, Any]:
                            cfg.eval.tau_budget, cfg.eval.tau_max_new_tokens)
     sums = torch.tensor([part["new_tokens"], part["target_forwards"], part["seconds"], part["prompts"]],
                         dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        sums = accelerator.reduce(sums, "sum")
-    new, forwards, seconds, prompts = sums.tolist()
+    new, forwards, seconds, prompts = accelerator.reduce(sums, "sum").tolist()
     return {"tau": new / max(forwards, 1), "tokens_per_s": new / max(seconds, 1e-9), "new_tokens": int(new),
             "target_forwards": int(forwards), "prompts": int(prompts)}
 
