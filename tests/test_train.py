@@ -740,7 +740,7 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     cfg = config(ws, "x")
     n = preflight.head_parameters(cfg, preflight.target_text_config(cfg))  # counted without loading the target
     assert n == sum(p.numel() for p in DraftHeads.for_target(_tiny_target(ws), "chained", 3).parameters())
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    monkeypatch.setattr(preflight, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(ConfigError, match=r"GiB free, but 2 checkpoints and the heads need about .* lower "
                                           "train.keep_checkpoints"):
         train(config(ws, "x"))

@@ -6,7 +6,6 @@ ConfigError before any model loads, read from the recipe and the target's config
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from shutil import disk_usage
 import torch
@@ -160,7 +159,7 @@ def check_before_loading(cfg: Config) -> None:
     check_target_supported(cfg, config)
     text = text_config(config)
     need = checkpoint_bytes(cfg, text)
-    free = shutil.disk_usage(out).free
+    free = disk_usage(out).free
     if free < need:
         raise ConfigError(f"output_dir={out}: {free / 2**30:.2f} GiB free, but {cfg.train.keep_checkpoints} "
                           f"checkpoints and the heads need about {need / 2**30:.2f} GiB: free some space, lower "

@@ -100,9 +100,7 @@ def setup(cfg: Config) -> Run:
     cache_dir = cache_directory(cfg, accelerator.num_processes)
     if cache_dir is not None and (room := check_cache_room(cfg, cache_dir, tokens, accelerator.device)):
         accelerator.print(room)  # before the model loads: a cache that cannot fit is refused now, not an epoch in
-    # a sharded target loads on the CPU (each process then keeps its shards on the device); under FSDP2 only the main
-    # process reads the checkpoint, the others build the model on the meta device and receive their shards
-    target, sizes = load_target(cfg, accelerator, sharded)
+    target, sizes = load_target(cfg, accelerator, sharded)  # sharded: each process reads its own share of the files
     peft = None
     if cfg.target.lora.r:
         check_joint_distributed(accelerator)
