@@ -177,6 +177,8 @@ class TrainConfig:
     AdamW's update size) on the heads' hidden weight matrices, AdamW on the rest, as speculators trains; one schedule.
     `auto`: muon for the kinds in MUON_KINDS (docs/results.md, "Our EAGLE-3 trainer against speculators'"), adamw for
     the others; resolved when the recipe loads, so recipe.yaml records which."""
+    muon_lr: float = 0.0
+    """Muon's lr (the hidden matrices' group, same schedule); 0: train.lr."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
@@ -186,8 +188,8 @@ class TrainConfig:
     """Gradient clipping norm; 0 disables clipping."""
     seed: int = 0
     log_every: int = 10
-    save_every: int = 0  # checkpoint every this-many steps (0: only at the end)
-    keep_checkpoints: int = 2  # rotate output_dir/checkpoints/step-N, keeping the newest this-many
+    save_every: int = 0  # checkpoint every this-many steps (0: only at the end); keep the newest keep_checkpoints
+    keep_checkpoints: int = 2
     max_nonfinite_steps: int = 10
     """An optimizer step whose gradient norm is not finite (a NaN or infinite loss or gradient) is skipped: no
     update, counted in `train/skipped_steps`. This many in a row stop the run with exit code 1, keeping the last
@@ -332,6 +334,8 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
     validate(cfg, world_size=world_size)
     if cfg.train.optimizer == "auto":
         cfg.train.optimizer = "muon" if cfg.heads.kind in MUON_KINDS else "adamw"
+    need(cfg.train.optimizer == "muon" or not cfg.train.muon_lr,
+         f"train.muon_lr is Muon's lr, and this run trains with {cfg.train.optimizer}: drop it or set train.optimizer=muon")
     return cfg
 
 
@@ -487,8 +491,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
-def need(ok: bool, msg: str) -> None:
-    """ConfigError(msg) unless ok."""
+def need(ok: bool, msg: str) -> None:  # ConfigError(msg) unless ok
     if not ok:
         raise ConfigError(msg)
 
@@ -589,16 +592,13 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
     need(t.process_timeout_minutes > 0, f"train.process_timeout_minutes must be > 0, got {t.process_timeout_minutes}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
-    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    for key, zero in (("weight_decay", ""), ("warmup_steps", ""), ("max_grad_norm", " (0: no clipping)"),
+                      ("save_every", " (0: only at the end)"), ("heads_warmup_steps", ""), ("muon_lr", " (0: train.lr)"),
+                      ("max_nonfinite_steps", " (0: never stop)")):
+        need(getattr(t, key) >= 0, f"train.{key} must be >= 0{zero}, got {getattr(t, key)}")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0 (0: no clipping), got {t.max_grad_norm}")
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
-    need(t.save_every >= 0, f"train.save_every must be >= 0 (0: only at the end), got {t.save_every}")
     need(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
-    need(t.heads_warmup_steps >= 0, f"train.heads_warmup_steps must be >= 0, got {t.heads_warmup_steps}")
-    need(t.max_nonfinite_steps >= 0, f"train.max_nonfinite_steps must be >= 0 (0: never stop), got "
-                                     f"{t.max_nonfinite_steps}")
     need(t.max_loss_growth == 0 or t.max_loss_growth > 1, f"train.max_loss_growth must be > 1 (0: never stop), got "
                                                           f"{t.max_loss_growth}")
 

@@ -126,6 +126,9 @@ def build_optimizer(cfg: Config, heads: torch.nn.Module, adapters: torch.nn.Modu
     AdamW's, the last group); the schedule counts optimizer steps."""
     muon = cfg.train.optimizer == "muon"
     groups = param_groups(heads, cfg.train.weight_decay, muon)
+    for group in groups:
+        if group.get("muon") and cfg.train.muon_lr:
+            group["lr"] = cfg.train.muon_lr
     if adapters is not None:
         groups.append({"params": list(adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0})
     optimizer = MuonAdamW(groups, lr=cfg.train.lr) if muon else torch.optim.AdamW(groups, lr=cfg.train.lr)
