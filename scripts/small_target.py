@@ -131,7 +131,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     model.train()
     bf16 = fast_bfloat16()  # emulated bfloat16 (a CPU without AVX512-BF16 or AMX) runs ~10x slower than float32
-    while ((elapsed := time.perf_counter() - start) < budget) if not args.steps else step < args.steps:
+    while (step < args.steps) if args.steps else (time.perf_counter() - start < budget):
+        elapsed = time.perf_counter() - start
         if len(order) < args.batch_size:
             order = list(range(data.shape[0]))
             rng.shuffle(order)
