@@ -100,11 +100,14 @@ def train(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int,
     if not (out / "model.safetensors").exists():
         sh([sys.executable, "train.py", recipe, f"train.seed={seed}", f"train.hidden_cache_dir={work / member}/cache",
             *overrides, f"output_dir={out}"], out.with_suffix(".log"))
-    if kind != "eagle3":
+    import medusa_train.kinds  # noqa: F401 - registers every kind
+    from medusa_train.kinds.heads import kind_class
+
+    if kind_class(kind).served_by_plugin:  # chained, parallel: our plugin serves train.py's directory
         return f"medusa_train:{out}"
-    if not (export / "config.json").exists():
+    if not (export / "config.json").exists():  # the others: vLLM's own method of the kind's name, after an export
         sh([sys.executable, "-m", "medusa_train.export", out, export, "--format", "speculators", "--force"])
-    return f"eagle3:{export}"
+    return f"{kind}:{export}"
 
 
 def theirs(work: Path, member: str, spec: dict[str, str], epochs: int, run: str, flags: list[str], seed: int) -> str:
@@ -188,7 +191,8 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", required=True, help="NAME=override[,override...] (NAME= alone: the defaults), "
                    "or NAME=speculators:FLAGS (speculators' trainer)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--kind", default="eagle3", choices=["eagle3", "chained"])
+    p.add_argument("--kind", default="eagle3", help="heads.kind (the ones vLLM serves: eagle3, dflash, chained, "
+                   "parallel)")
     p.add_argument("--rows", type=int, default=320, help="training rows a member (batches of 8, up to 256 tokens)")
     p.add_argument("--epochs", type=int, default=3, help="passes over them (the target's states computed once)")
     p.add_argument("--members", nargs="+", default=["chat", "code", "math"])
