@@ -82,19 +82,24 @@ def build_members(work: Path, data: Path, n_rows: int) -> dict[str, dict[str, st
                      else [json.loads(line) for line in source.read_text().splitlines() if line.strip()])
             rows.parent.mkdir(parents=True, exist_ok=True)
             rows.write_text("".join(json.dumps(r) + "\n" for r in items[:n_rows]))
-            r = items[n_rows]  # the next row: speculators' validation split (it needs one)
-            user = r.get("question") or r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-            (rows.parent / "val.jsonl").write_text(json.dumps({"messages": [
-                {"role": "user", "content": user}, {"role": "assistant", "content": r.get("answer") or r["output"]}]}))
+            from medusa_train.data.formats import chat_messages
+
+            # the next row: speculators' validation split (it needs one)
+            (rows.parent / "val.jsonl").write_text(json.dumps({"messages": chat_messages(items[n_rows])}))
         spec["rows"] = str(rows)
     return members
+
+
+def write_recipe(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int) -> Path:
+    recipe = work / f"panel-{member}-{kind}.yaml"
+    recipe.write_text(RECIPE.format(target=spec["target"], kind=kind, rows=spec["rows"], epochs=epochs))
+    return recipe
 
 
 def train(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int, run: str, overrides: list[str],
           seed: int) -> str:
     """Heads for (member, run, seed), trained and exported when missing: what vLLM loads."""
-    recipe = work / f"panel-{member}-{kind}.yaml"
-    recipe.write_text(RECIPE.format(target=spec["target"], kind=kind, rows=spec["rows"], epochs=epochs))
+    recipe = write_recipe(work, member, spec, kind, epochs)
     out = work / member / f"{kind}-{run}-seed{seed}"
     export = out.with_name(out.name + "-export")
     if not (out / "model.safetensors").exists():
@@ -114,8 +119,7 @@ def theirs(work: Path, member: str, spec: dict[str, str], epochs: int, run: str,
     """speculators' EAGLE-3 trainer (its defaults but `flags`, and what a CPU needs) on exactly the rows ours trains on
     (`scripts/vs_speculators.py prepare`: the same tokens and assistant mask, the target's states written once), the
     same epochs and draft vocabulary size; its last epoch's checkpoint is what vLLM loads."""
-    recipe = work / f"panel-{member}-eagle3.yaml"
-    recipe.write_text(RECIPE.format(target=spec["target"], kind="eagle3", rows=spec["rows"], epochs=epochs))
+    recipe = write_recipe(work, member, spec, "eagle3", epochs)
     data = work / member / "theirs-data"
     if not (data / "prepared.json").exists():
         sh([sys.executable, "scripts/vs_speculators.py", "prepare", data, "--val", work / member / "val.jsonl", "--",
@@ -142,10 +146,8 @@ def measure(work: Path, member: str, spec: dict[str, str], drafts: dict[str, str
     if todo:
         prompts = work / member / "prompts.json"
         if not prompts.exists():
-            sh([sys.executable, "-c", "import sys, json; from transformers import AutoTokenizer; "
-                "from inference.bench import load_bench_prompts, render; tok = AutoTokenizer.from_pretrained(sys.argv[2]); "
-                "json.dump([render(tok, t)[0].tolist() for t in load_bench_prompts(sys.argv[1], int(sys.argv[5]), int(sys.argv[3]))], "
-                "open(sys.argv[4], 'w'))", spec["prompts"], spec["target"], spec["stride"], prompts, spec["limit"]])
+            sh([sys.executable, "scripts/bench_prompts.py", spec["prompts"], spec["limit"], spec["target"], prompts,
+                spec["stride"]])
         new = work / member / "vllm-new.json"
         sh([VLLM / "bin/python", "scripts/vllm_serve_bench.py", "--target", spec["target"], "--draft", *todo.values(),
             "--names", *todo, "--prompts", prompts, "--batches", "16", "--max-tokens", "64", "--out", new],
