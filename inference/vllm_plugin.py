@@ -23,9 +23,16 @@ module's `register` in each of its processes (front end, engine core, workers); 
 
 Then every request's chain runs batched, in the target's dtype: s_0 = h_t; chained heads step with each head's own
 block and the embedding of the token before it, parallel heads all read h_t; each draft is the argmax over the scored
-vocabulary (the draft vocabulary mapped back to target ids). The heads' own modules compute it (`medusa_train.kinds`,
-which imports torch and safetensors only), so vLLM drafts what our engine drafts: `tests/test_vllm.py` replays vLLM's
-chains with our drafter and finds vLLM's accept counts equal.
+vocabulary (the draft vocabulary mapped back to target ids), with its probability. The heads' own modules compute it
+(`medusa_train.kinds`, which imports torch and safetensors only), so vLLM drafts what our engine drafts.
+
+What each request drafts is our engine's default (`inference.vllm_drafts`): the heads' chain or the n-gram lookup's,
+whichever its calibrated chances say gives more, cut to the tokens that pay for their verify rows at this batch size
+on this machine, down to none; the heads run only on steps where running them earns more tokens a second. Two keys of
+the speculative config change it: `"lookup": false` (the heads alone) and `"lengths": "fixed"` (every request drafts
+num_speculative_tokens). `tests/test_vllm.py` replays both ways: with both keys set, vLLM's chains replayed with our
+drafter give vLLM's accept counts; by default, the drafts the plugin made give them, each a prefix of the heads' chain
+or of the lookup's.
 
 Served: chained heads (both blocks, with or without a draft vocabulary, own embedding or LM heads) and parallel heads.
 Refused in one line: other kinds (eagle3 and dflash are served by vLLM's own methods, after `--format speculators`),
@@ -48,9 +55,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from inference.vllm_drafts import DraftPlanner, lookup
+
 METHOD = "medusa_train"
 # what the runner patch reads of vLLM's `propose_draft_token_ids` (the same in 0.32 and 0.33)
 RUNNER_ARGS = ("scheduler_output", "sampled_token_ids", "sample_hidden_states", "spec_decode_metadata")
+SETTINGS = {"lookup": True, "lengths": "auto"}  # our keys in the speculative config, and their defaults
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +96,37 @@ def heads_refusal(directory: str | os.PathLike, hidden_size: int, vocab_size: in
     return None, spec
 
 
+def settings_of(model: str) -> tuple[str, dict[str, Any]]:
+    """(the heads directory, our settings) of the `model` string `_translate` hands vLLM: `DIR?lookup=1&lengths=auto`
+    (the settings travel in it to every process vLLM starts, as nothing else of ours does)."""
+    directory, mark, query = str(model).rpartition("?")
+    if not mark:
+        return str(model), dict(SETTINGS)
+    pairs = dict(part.partition("=")[::2] for part in query.split("&"))
+    return directory, {"lookup": pairs.get("lookup", "1") == "1", "lengths": pairs.get("lengths", "auto")}
+
+
 def _translate(speculative_config: dict[str, Any], model_config: Any) -> dict[str, Any]:
     """`{"method": "medusa_train", "model": HEADS_DIR, ...}` as vLLM's custom_class method takes it (ValueError, one
-    line, for heads it cannot serve)."""
+    line, for heads it cannot serve or a setting it does not know)."""
+    ours = {key: speculative_config[key] for key in SETTINGS if key in speculative_config}
+    speculative_config = {key: v for key, v in speculative_config.items() if key not in SETTINGS}
     directory = speculative_config.get("model")
     if not directory:
         raise ValueError(f'speculative_config method "{METHOD}" needs "model": the heads directory train.py wrote')
+    if not isinstance(ours.get("lookup", True), bool):
+        raise ValueError(f'speculative_config "lookup" is {ours["lookup"]!r}: set it to true (heads and n-gram '
+                         "lookup, the default) or false (the heads alone)")
+    if ours.get("lengths", "auto") not in ("auto", "fixed"):
+        raise ValueError(f'speculative_config "lengths" is {ours["lengths"]!r}: set it to "auto" (each request '
+                         'drafts what pays, the default) or "fixed" (num_speculative_tokens for every request)')
     k = speculative_config.get("num_speculative_tokens")
     why, spec = heads_refusal(directory, model_config.get_hidden_size(), model_config.get_vocab_size(), k)
     if why:
         raise ValueError(why)
-    return speculative_config | {"method": "custom_class", "model": str(Path(directory).resolve()),
-                                 "num_speculative_tokens": k or spec.num_heads}
+    ours = SETTINGS | ours
+    model = f"{Path(directory).resolve()}?lookup={int(ours['lookup'])}&lengths={ours['lengths']}"
+    return speculative_config | {"method": "custom_class", "model": model, "num_speculative_tokens": k or spec.num_heads}
 
 
 class HeadsProposer:
@@ -107,8 +136,13 @@ class HeadsProposer:
 
     def __init__(self, vllm_config: Any):
         spec_config = vllm_config.speculative_config
-        self.directory = spec_config.model
+        self.directory, settings = settings_of(spec_config.model)
         self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.planner = DraftPlanner(self.num_speculative_tokens, settings["lookup"], settings["lengths"])
+        # the heads' chains as they are (a tensor, no host read): lookup off and fixed lengths
+        self.chains_only = not settings["lookup"] and settings["lengths"] == "fixed"
+        self.steps = 0
         self.dtype = vllm_config.model_config.dtype
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
@@ -150,22 +184,54 @@ class HeadsProposer:
         return logits[:, heads.draft_ids] if heads.spec.draft_vocab_size else logits
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, last: torch.Tensor, n: int) -> torch.Tensor:
-        """n drafts [R, n] for R requests from the target's state at each one's last verified position [R, d] and
-        the token sampled there [R]."""
+    def draft(self, hidden: torch.Tensor, last: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n drafts [R, n], each one's probability under its head [R, n]) for R requests from the target's state at
+        each one's last verified position [R, d] and the token sampled there [R]."""
         heads = self.heads
         s = heads.start(hidden.to(self.dtype))
-        drafts = []
-        if heads.chained:
-            token = last
-            for k in range(n):
-                s = heads.step(k, s, token, self._embed)  # head k+1 reads s_k and the token before its own
-                token = heads.to_target_ids(self._logits(k, s).argmax(-1))
-                drafts.append(token)
-        else:
-            for k in range(n):
-                drafts.append(heads.to_target_ids(self._logits(k, heads.step(k, s, None)).argmax(-1)))
-        return torch.stack(drafts, dim=1)
+        drafts, probs = [], []
+        token = last
+        for k in range(n):
+            if heads.chained:
+                s_k = s = heads.step(k, s, token, self._embed)  # head k+1 reads s_k and the token before its own
+            else:
+                s_k = heads.step(k, s, None)  # parallel heads all read h_t
+            p, best = self._logits(k, s_k).float().softmax(-1).max(-1)
+            token = heads.to_target_ids(best)
+            drafts.append(token)
+            probs.append(p)
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+
+    def plan(self, runner: Any, scheduler_output: Any, sampled: list[list[int]], hidden: torch.Tensor,
+             per_request: list[int] | None, n: int) -> list[list[int]] | torch.Tensor:
+        """This step's drafts, one a request in the batch's order: the planner's (`inference.vllm_drafts`), or the
+        heads' chains as a tensor [R, n] when lookup is off and lengths fixed."""
+        live, rows, last = rows_to_draft(sampled, per_request)
+        device = hidden.device
+        if self.chains_only:
+            out = torch.zeros(len(sampled), n, dtype=torch.long, device=device)
+            if live:
+                drafts, _ = self.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
+                out[torch.tensor(live, device=device)] = drafts
+            return out
+        batch = runner.input_batch
+        verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        decode_only = all(t == 1 + verified.get(r, 0) for r, t in scheduler_output.num_scheduled_tokens.items())
+        req_ids = batch.req_ids
+        planner = self.planner
+        planner.start(req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens, decode_only)
+        ends = batch.num_tokens_no_spec
+        room = [max(0, min(n, self.max_model_len - 1 - int(ends[i]))) for i in live]
+        heads = found = None
+        if live and planner.runs_heads:
+            drafts, probs = self.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
+            heads = drafts.cpu().numpy(), probs.cpu().numpy()
+        if live and planner.use_lookup:
+            found = [lookup(batch.token_ids_cpu[i, :ends[i]], n) for i in live]
+        self.steps += 1
+        if self.steps % 1000 == 0:
+            logger.info("medusa_train drafts: %s", planner.summary())
+        return planner.plan(req_ids, live, heads, found, room)
 
     def propose(self, *args: Any, **kwargs: Any):
         raise RuntimeError("medusa_train heads need the target's hidden states, which vLLM's custom_class call does "
@@ -208,13 +274,7 @@ def _propose_with_hidden_states(original):
         n = min(n, drafter.num_speculative_tokens)
         metadata = a["spec_decode_metadata"]
         per_request = None if metadata is None or hidden.shape[0] == len(sampled) else metadata.num_draft_tokens
-        live, rows, last = rows_to_draft(sampled, per_request)
-        out = torch.zeros(len(sampled), n, dtype=torch.long, device=hidden.device)
-        if live:
-            device = hidden.device
-            drafts = drafter.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
-            out[torch.tensor(live, device=device)] = drafts
-        return out
+        return drafter.plan(self, a["scheduler_output"], sampled, hidden, per_request, n)
 
     propose_draft_token_ids._medusa_train = True
     return propose_draft_token_ids
@@ -224,7 +284,7 @@ def _create_proposer(original):
     @functools.wraps(original)
     def create_custom_proposer(vllm_config):
         model = vllm_config.speculative_config.model
-        if model and Path(model, "config.json").is_file():
+        if model and Path(settings_of(model)[0], "config.json").is_file():
             return HeadsProposer(vllm_config)
         return original(vllm_config)
 

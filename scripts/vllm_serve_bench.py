@@ -8,7 +8,8 @@ Python; `scripts/vllm_vs_engine.sh` runs it beside our engine's benchmark.
 
 --draft: `eagle3:DIR` (our eagle3 heads exported with --format speculators; a bare DIR means the same),
 `medusa_train:DIR` (chained or parallel heads as train.py wrote them, through our plugin: the project installed in
-that venv), `ngram` (vLLM's prompt lookup, n-grams of 2 to 4 tokens).
+that venv; `medusa_train:DIR,lookup=false,lengths=fixed` adds those keys to the speculative config: the heads' chains
+alone), `ngram` (vLLM's prompt lookup, n-grams of 2 to 4 tokens).
 --prompts: a JSON list of prompts as token ids (the chat template applied), so both engines see the same tokens.
 """
 
@@ -36,12 +37,22 @@ def counters(llm) -> dict:
     return out
 
 
+def scalar(text: str):
+    """`false` -> False, `3` -> 3, `fixed` -> "fixed"."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def speculative_config(draft: str, k: int) -> dict:
-    """vLLM's speculative_config for a --draft entry."""
+    """vLLM's speculative_config for a --draft entry (`METHOD:DIR,key=value,...`: the keys added to it)."""
     method, _, path = draft.partition(":") if ":" in draft else ("eagle3" if draft != "ngram" else "ngram", "", draft)
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    return {"method": method, "model": path, "num_speculative_tokens": k}
+    path, *keys = path.split(",")
+    extra = {key: scalar(value) for key, _, value in (kv.partition("=") for kv in keys)}
+    return {"method": method, "model": path, "num_speculative_tokens": k} | extra
 
 
 def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:

@@ -38,7 +38,7 @@ ROOMS = {
                  "medusa_train.train.optim", "medusa_train.train.processes", "medusa_train.train.divergence",
                  "medusa_train.train.tau", "medusa_train.train.best", "medusa_train.target.sharding",
                  "medusa_train.train.run", "medusa_train.train.trainer"],
-    "serving": ["inference.vllm_plugin"],
+    "serving": ["inference.vllm_drafts", "inference.vllm_plugin"],
     "commands": ["medusa_train.train.cli", "medusa_train.data.distill", "medusa_train.export",
                  "medusa_train.target.prepare", "medusa_train.demo", "medusa_train.target.vllm_states",
                  "medusa_train.target.vllm_extract", "medusa_train.target.vllm_cpu_connector", "inference.generate"],
@@ -54,7 +54,8 @@ BELOW = {  # what each room may import besides itself
     "data": ["base", "target", "recipe"],
     "engine": ["base", "target", "kinds", "recipe", "data"],  # never the trainer: serving needs no training code
     "training": ["base", "target", "kinds", "recipe", "data", "engine"],  # scoring heads as the engine serves them
-    "serving": ["base", "target", "kinds"],  # runs inside vLLM's venv: our heads, none of the engine or the recipe
+    # runs inside vLLM's venv: our heads and the engine's calibration and step choice (torch and NumPy), no recipe
+    "serving": ["base", "target", "kinds", "engine"],
     "commands": ["base", "target", "kinds", "recipe", "data", "training", "engine"],
     "instruments": ["base", "target", "kinds", "recipe", "data", "engine", "commands", "packages"],
     "packages": ["engine"],  # `inference` names the engine's public classes

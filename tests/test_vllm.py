@@ -484,6 +484,7 @@ SERVED_HEADS = {  # the arch, and the recipe's heads mapping
 
 
 _TRAINED: dict[str, tuple] = {}
+CHAINS = {"lookup": False, "lengths": "fixed"}  # the plugin drafting the heads' chains alone, k tokens each
 
 
 def trained_heads(name: str, tmp_path_factory) -> tuple[Path, object, list[list[int]], Path]:
@@ -501,15 +502,16 @@ def trained_chain(request, tmp_path_factory):
 
 
 def test_vllm_serves_chained_and_parallel_heads_through_the_plugin(trained_chain, vllm_venv, plugin_site, tmp_path):
-    """`"method": "medusa_train"` with the heads directory train.py wrote: vLLM's greedy output is the target's, at
-    batch 1 and with the four prompts (of different lengths) in one batch, and vLLM's accept counts at each position
-    equal our drafter's replay of its chains on the same tokens; sampling at 0.8 runs."""
+    """`"method": "medusa_train"` with the heads directory train.py wrote, drafting the heads' chains alone (lookup
+    off, fixed lengths): vLLM's greedy output is the target's, at batch 1 and with the four prompts (of different
+    lengths) in one batch, and vLLM's accept counts at each position equal our drafter's replay of its chains on the
+    same tokens; sampling at 0.8 runs."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir = trained_chain
     assert len({len(p) for p in prompts}) > 1
     base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
-            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir)}
+            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir), "speculative": CHAINS}
     plain_long, one, batched, sampled = serve(vllm_venv, [
         base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
         base,
@@ -539,7 +541,7 @@ def test_a_broken_plugin_fails_the_check(vllm_venv, plugin_site, tmp_path, tmp_p
     reproduce."""
     root, target, prompts, heads_dir = trained_heads(next(iter(SERVED_HEADS)), tmp_path_factory)
     base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
-            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir)}
+            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir), "speculative": CHAINS}
     (plain_long,) = serve(vllm_venv, [base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1}], tmp_path)
     for name, (line, planted) in PLUGIN_PLANTS.items():
         site = tmp_path / name.replace(" ", "-")
@@ -550,6 +552,88 @@ def test_a_broken_plugin_fails_the_check(vllm_venv, plugin_site, tmp_path, tmp_p
         source.write_text(text.replace(line, planted))
         (result,) = serve(vllm_venv, [base], tmp_path, site)
         assert served_as_drafted(result, target, heads_dir, prompts, plain_long["outputs"]) is not None, name
+
+
+def plans_replayed(log: list[dict], prompts: list[list[int]], longer: list[list[int]]) -> dict:
+    """vLLM's counters computed from the drafts our plugin made (`vllm_check.record_plans`): a draft made while its
+    request was short of MAX_TOKENS is verified, and accepts the tokens equal to the target's own continuation."""
+    seqs = [p + c for p, c in zip(prompts, longer)]
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * K}
+    for row in log:
+        ctx, draft = row["context"], row["draft"]
+        (i,) = [i for i, seq in enumerate(seqs) if seq[:len(ctx)] == ctx]
+        if not draft or len(ctx) - len(prompts[i]) >= MAX_TOKENS:
+            continue
+        a = 0
+        while a < len(draft) and draft[a] == seqs[i][len(ctx) + a]:
+            out["num_accepted_tokens_per_pos"][a] += 1
+            a += 1
+        out["num_drafts"] += 1
+        out["num_draft_tokens"] += len(draft)
+        out["num_accepted_tokens"] += a
+    return out
+
+
+def draft_sources(log: list[dict], target, heads_dir: Path, prompts, longer) -> list[set[str]]:
+    """For each draft the plugin made: which chains it is a prefix of, "heads" (our drafter's chain from the same
+    tokens) and "lookup" (`inference.vllm_drafts.lookup`'s continuation)."""
+    import numpy as np
+
+    from inference.vllm_drafts import lookup
+
+    heads = DraftHeads.from_pretrained(heads_dir, target)
+    drafter = HeadsDrafter(heads, target)
+    feats = {}
+    chain = [[0] * d for d in range(1, K + 1)]
+    sources = []
+    for row in log:
+        ctx, draft = row["context"], row["draft"]
+        (i,) = [i for i, p in enumerate(prompts) if (p + longer[i])[:len(ctx)] == ctx]
+        seq = prompts[i] + longer[i]
+        if i not in feats:
+            with torch.inference_mode():
+                feats[i] = target_hidden(target, torch.tensor([seq]), None, heads.target_layers)[0]
+        p = len(ctx) - 1
+        with torch.inference_mode():
+            drafter.reset()
+            tree = drafter.draft(DraftContext(torch.tensor(seq[p:p + 1]), feats[i][p - 1], ctx, chain, K))
+        ours = [int(tree.tokens[tree.depth == d][0]) for d in range(1, K + 1)]
+        found = lookup(np.array(ctx), K)[0].tolist()
+        sources.append({name for name, c in (("heads", ours), ("lookup", found)) if draft and c[:len(draft)] == draft})
+    return sources
+
+
+def test_vllm_serves_heads_and_lookup_as_the_plugin_plans(vllm_venv, plugin_site, tmp_path, tmp_path_factory):
+    """The default (`"method": "medusa_train"` and nothing else: heads and n-gram lookup, each request drafting as
+    many tokens as pay): vLLM's greedy output is the target's at batch 1 and 4, its counters equal a replay of the
+    drafts the plugin made, and every draft is a prefix of the heads' chain or of the lookup's; drafts come from both,
+    with lengths from none to K. With `"lookup": false`, every draft is the heads'."""
+    root, target, prompts, heads_dir = trained_heads(next(iter(SERVED_HEADS)), tmp_path_factory)
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "medusa_train", "draft": str(heads_dir), "record_plans": True}
+    plain_long, one, batched, heads_only = serve(vllm_venv, [
+        base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1, "record_plans": False},
+        base,
+        base | {"max_num_seqs": 4},
+        base | {"max_num_seqs": 4, "speculative": {"lookup": False}},
+    ], tmp_path, plugin_site)
+    longer = plain_long["outputs"]
+    lengths, seen = set(), set()
+    for run in (one, batched, heads_only):
+        assert "error" not in run, run.get("error")
+        assert run["outputs"] == [c[:MAX_TOKENS] for c in longer]
+        counted = {k: run["spec_decode"].get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                          "num_accepted_tokens_per_pos")}
+        assert counted == plans_replayed(run["drafts"], prompts, longer)
+        sources = draft_sources(run["drafts"], target, heads_dir, prompts, longer)
+        drafted = [s for s, row in zip(sources, run["drafts"]) if row["draft"]]
+        assert all(drafted), "a draft that is neither the heads' chain nor the lookup's"
+        if run is heads_only:
+            assert all("heads" in s for s in drafted)
+        else:
+            seen |= set().union(*drafted) if drafted else set()
+            lengths |= {len(row["draft"]) for row in run["drafts"]}
+    assert seen == {"heads", "lookup"} and {0, K} <= lengths and len(lengths) > 2
 
 
 def test_vllm_refuses_heads_the_plugin_cannot_serve_in_one_line(vllm_venv, plugin_site, tmp_path):

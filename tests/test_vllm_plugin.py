@@ -45,7 +45,8 @@ class VllmLikeTarget(nn.Module):
 def proposer(heads_dir, target: nn.Module, tensor_parallel: int = 1) -> HeadsProposer:
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(model=str(heads_dir), num_speculative_tokens=K),
-        model_config=SimpleNamespace(dtype=torch.float32, get_vocab_size=lambda: target.config.vocab_size),
+        model_config=SimpleNamespace(dtype=torch.float32, get_vocab_size=lambda: target.config.vocab_size,
+                                     max_model_len=512),
         parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel))
     p = HeadsProposer(config)
     p.load_model(VllmLikeTarget(target))
@@ -87,14 +88,17 @@ def test_the_plugin_drafts_what_our_engine_drafts(layout, tensor_parallel, tmp_p
     drafter = HeadsDrafter(DraftHeads.from_pretrained(tmp_path / "heads", target), target)
     chain = [[0] * d for d in range(1, K + 1)]
     positions = list(range(1, 40, 3))
-    want = []
+    want, want_p = [], []
     for p in positions:
         with torch.no_grad():
             tree = drafter.draft(DraftContext(ids[0, p:p + 1], h[p - 1], ids[0, :p + 1].tolist(), chain, K))
         want.append([int(tree.tokens[tree.depth == d][0]) for d in range(1, K + 1)])
-    got = proposer(tmp_path / "heads", target, tensor_parallel).draft(h[[p - 1 for p in positions]], ids[0, positions],
-                                                                       K)
+        path_logp = torch.cat([torch.zeros(1), tree.scores[1:K + 1].float()])  # the engine's scores: the path's log p
+        want_p.append((path_logp[1:] - path_logp[:-1]).exp().tolist())
+    got, got_p = proposer(tmp_path / "heads", target, tensor_parallel).draft(h[[p - 1 for p in positions]],
+                                                                             ids[0, positions], K)
     assert got.tolist() == want
+    torch.testing.assert_close(got_p, torch.tensor(want_p), rtol=1e-4, atol=1e-5)  # each token's own head's p
     assert len({tuple(w) for w in want}) > 3  # the drafts vary with the position: a wrong row or token would show
 
 
@@ -103,7 +107,9 @@ def test_fewer_tokens_than_heads_draft_the_first_heads(tmp_path):
     trained_like(target, "chained").save_pretrained(tmp_path / "heads")
     p = proposer(tmp_path / "heads", target)
     h, last = torch.randn(5, 64), torch.arange(5)
-    assert p.draft(h, last, 2).tolist() == [row[:2] for row in p.draft(h, last, K).tolist()]
+    (two, p_two), (three, p_three) = p.draft(h, last, 2), p.draft(h, last, K)
+    assert two.tolist() == [row[:2] for row in three.tolist()]
+    assert torch.equal(p_two, p_three[:, :2]) and bool(((p_three > 0) & (p_three <= 1)).all())
 
 
 def test_each_request_drafts_from_the_row_of_its_last_sampled_token():

@@ -6,7 +6,9 @@ with each prompt's output token ids and vLLM's speculative-decoding counters (or
     RUNS.json: [{"target": DIR, "draft": DIR | "self" | null, "prompts": [[ids], ...], "max_tokens": 32,
                  "num_speculative_tokens": 3, "temperature": 0.0, "seed": 0}, ...]
 
-"record_drafts": true also returns every draft vLLM's proposer made (`record_drafts`), the engine run in-process.
+"record_drafts": true also returns every draft vLLM's proposer made (`record_drafts`), "record_plans": true every
+draft our plugin made (`record_plans`), the engine run in-process. "speculative": {...} adds keys to the
+speculative config.
 
 "draft": "self" with "target": EXPORT serves the export alone (`LLM(model=EXPORT)`: vLLM takes the verifier from its
 config).
@@ -43,20 +45,42 @@ def record_drafts() -> list[dict]:
     return log
 
 
+def record_plans() -> list[dict]:
+    """Every draft our plugin's proposer returned, in this process: the request's tokens when it drafted, and the
+    draft (one entry a request that sampled)."""
+    from inference.vllm_plugin import HeadsProposer
+
+    log: list[dict] = []
+    real = HeadsProposer.plan
+
+    def plan(self, runner, scheduler_output, sampled, *args, **kwargs):
+        out = real(self, runner, scheduler_output, sampled, *args, **kwargs)
+        drafts = out.tolist() if hasattr(out, "tolist") else out
+        ends = runner.input_batch.num_tokens_no_spec
+        for i, tokens in enumerate(sampled):
+            if tokens:
+                log.append({"context": runner.input_batch.token_ids_cpu[i, :ends[i]].tolist(), "draft": drafts[i]})
+        return out
+
+    HeadsProposer.plan = plan
+    return log
+
+
 def serve(run: dict) -> dict:
     import os
 
-    if run.get("record_drafts"):  # the drafter must run in this process to be watched
+    if run.get("record_drafts") or run.get("record_plans"):  # the drafter must run in this process to be watched
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    log = record_drafts() if run.get("record_drafts") else None
+    log = record_drafts() if run.get("record_drafts") else record_plans() if run.get("record_plans") else None
 
     kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=run.get("max_model_len", 512), seed=run["seed"],
                   disable_log_stats=False, max_num_seqs=run.get("max_num_seqs", 1))
     if run["draft"] not in (None, "self"):
         kwargs["speculative_config"] = {"method": run.get("method", "eagle3"), "model": run["draft"],
-                                        "num_speculative_tokens": run["num_speculative_tokens"]}
+                                        "num_speculative_tokens": run["num_speculative_tokens"]
+                                        } | run.get("speculative", {})
     llm = LLM(model=run["target"], **kwargs)  # "self": the target is the export, which names its verifier
     try:
         params = SamplingParams(temperature=run["temperature"], max_tokens=run["max_tokens"], ignore_eos=True,

@@ -153,10 +153,15 @@ class AcceptanceCalibrator:
         accepted[path[:n]] = True
         tried = accepted[tree.parents.cpu().numpy()]
         tried[0] = False
+        self.count(keys[tried], keys[path[1:n]])
+
+    def count(self, tried: np.ndarray, accepted: np.ndarray) -> None:
+        """Count one step's verifies (after decaying the counts once): the cells of the nodes tried (their parent
+        accepted), and of those accepted."""
         self._hits *= self.decay
         self._trials *= self.decay
-        np.add.at(self._trials, keys[tried], 1.0)
-        np.add.at(self._hits, keys[path[1:n]], 1.0)
+        np.add.at(self._trials, tried, 1.0)
+        np.add.at(self._hits, accepted, 1.0)
 
     def table(self, min_trials: float = 1.0) -> list[dict[str, float | int | str]]:
         """The cells tried at least `min_trials` (decayed) times: kind, depth, bin, trials, calibrated p."""
