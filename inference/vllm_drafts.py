@@ -16,7 +16,8 @@ draft that is unlikely to be accepted costs every request its verify rows. Each 
    (one a request, plus each kept draft's chance) and rho = fixed / per_token. Drafted tokens are kept best first
    while each raises it (p * (rho + N) > T): the more requests in the batch, the larger N and T, and the surer a
    draft must be. On a GPU a verify of a few hundred tokens costs about what one does (rho large): nearly every draft
-   pays; on a CPU each row costs and only the likeliest drafts do.
+   pays; on a CPU each row costs and only the likeliest drafts do. Every 16th chain drafts its first token whatever
+   its chance, so that what was never verified is still learned.
 5. Arms: whether to run the heads at all is chosen as the engine's `StepChoice` chooses, by tokens per second
    measured per batch-size bucket: `both` (heads and lookup) or `lookup` alone; with lookup off, `heads` or `plain`.
 
@@ -104,6 +105,10 @@ class DraftPlanner:
     the last step's chains and returns the arm to run; `plan(...)` turns the heads' and the lookup's chains into what
     each request drafts."""
 
+    # every EXPLORE-th chain drafts at least its first token, whatever its chance: a cell never verified is never
+    # learned, and a prior that undersells the heads (or the lookup) would otherwise keep them from drafting for good
+    EXPLORE = 16
+
     def __init__(self, k: int, use_lookup: bool = True, lengths: str = "auto", clock=time.perf_counter):
         if lengths not in ("auto", "fixed"):
             raise ValueError(f'draft lengths must be "auto" or "fixed", got {lengths!r}')
@@ -114,6 +119,7 @@ class DraftPlanner:
         self.cost = StepCost()
         self.clock = clock
         self.pending: dict[str, np.ndarray] = {}  # request -> the cells of the tokens it drafted last step
+        self.chains = 0  # chains planned so far (exploration counts them)
         self.last: tuple[float, str, int] | None = None  # (when, arm, context) of the last step
         self.arm = self.choice.arms[0]
 
@@ -216,6 +222,11 @@ class DraftPlanner:
             lengths[j] += 1
             expected += -neg
             verified += 1
+        for j, b in enumerate(picked):  # every EXPLORE-th chain drafts its first token at least
+            if b is not None:
+                self.chains += 1
+                if self.chains % self.EXPLORE == 0:
+                    lengths[j] = max(lengths[j], 1)
         return lengths
 
     def summary(self) -> str:

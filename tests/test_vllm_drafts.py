@@ -72,6 +72,7 @@ def planner_with(p_scored: dict[int, float], ratio: float, lengths: str = "auto"
             hit += [key] * round(1000 * p)
     c.count(np.array(tried), np.array(hit))
     planner.cost.prior_ratio = ratio
+    planner.EXPLORE = 10**9  # no exploration: test_every_16th_chain_explores has it
     return planner
 
 
@@ -118,6 +119,19 @@ def test_the_more_requests_the_surer_a_draft_must_be():
     batch = planner.plan([str(i) for i in range(16)], list(range(16)), (tokens.repeat(16, 0), q.repeat(16, 0)), None,
                          [K] * 16)
     assert alone == [[5, 6]] and batch == [[]] * 16
+
+
+def test_every_16th_chain_explores():
+    """Chains too unlikely to pay still draft their first token once in 16: 64 chains in 4 steps, 4 drafts of one
+    token (a cell never verified would never be learned)."""
+    planner = planner_with({0: 0.01}, ratio=1.0)
+    planner.EXPLORE = DraftPlanner.EXPLORE
+    planner.arm = "both"
+    q = np.full((16, K), 0.01)
+    tokens = np.arange(16 * K).reshape(16, K)
+    drafts = [planner.plan([str(i) for i in range(16)], list(range(16)), (tokens, q), None, [K] * 16)
+              for _ in range(4)]
+    assert sorted(len(d) for step in drafts for d in step) == [0] * 60 + [1] * 4
 
 
 def test_fixed_lengths_draft_every_token_the_room_allows():
