@@ -26,8 +26,8 @@ from .kinds import KINDS
 
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
 
-MUON_KINDS = ("eagle3",)
-"""The head kinds `train.optimizer: auto` trains with Muon."""
+MUON_KINDS = ("eagle3",)  # the head kinds `train.optimizer: auto` trains with Muon
+MUON_LR_SCALE = 5.0  # `train.muon_lr` 0: this times train.lr (the panel's choice: docs/results.md, "The panel")
 
 
 @dataclass
@@ -113,8 +113,7 @@ class CommonHeadsConfig:
     """A trained heads directory to start from instead of fresh heads (warm start: more data or epochs on
     heads you have). Its architecture and draft vocabulary are kept, so the heads.* keys must match it (an error names
     any that differ; keys that only shape training, such as heads.anchors, are the recipe's); they must have been
-    trained for this target. Not a resume: the optimizer, schedule and data order start afresh (resume continues a
-    run)."""
+    trained for this target. Not a resume: the optimizer, schedule and data order start afresh."""
 
     def draft_vocab(self, vocab_size: int) -> int:
         """The draft vocabulary for a target of `vocab_size` tokens (0: the full vocabulary), "auto" resolved."""
@@ -173,12 +172,11 @@ class TrainConfig:
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
-    """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized, its lr scaled to
-    AdamW's update size) on the heads' hidden weight matrices, AdamW on the rest, as speculators trains; one schedule.
-    `auto`: muon for the kinds in MUON_KINDS (docs/results.md, "Our EAGLE-3 trainer against speculators'"), adamw for
-    the others; resolved when the recipe loads, so recipe.yaml records which."""
+    """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized) on the heads'
+    hidden weight matrices at train.muon_lr, AdamW on the rest, as speculators trains; one schedule. `auto`: muon for
+    the kinds in MUON_KINDS, adamw for the others; resolved when the recipe loads, so recipe.yaml records which."""
     muon_lr: float = 0.0
-    """Muon's lr (the hidden matrices' group, same schedule); 0: train.lr."""
+    """Muon's lr (the hidden matrices' group, same schedule); 0: MUON_LR_SCALE x train.lr, resolved on load."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int = 0
@@ -336,6 +334,8 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
         cfg.train.optimizer = "muon" if cfg.heads.kind in MUON_KINDS else "adamw"
     need(cfg.train.optimizer == "muon" or not cfg.train.muon_lr,
          f"train.muon_lr is Muon's lr, and this run trains with {cfg.train.optimizer}: drop it or set train.optimizer=muon")
+    if cfg.train.optimizer == "muon" and not cfg.train.muon_lr:
+        cfg.train.muon_lr = MUON_LR_SCALE * cfg.train.lr
     return cfg
 
 
@@ -593,7 +593,7 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     for key, zero in (("weight_decay", ""), ("warmup_steps", ""), ("max_grad_norm", " (0: no clipping)"),
-                      ("save_every", " (0: only at the end)"), ("heads_warmup_steps", ""), ("muon_lr", " (0: train.lr)"),
+                      ("save_every", " (0: only at the end)"), ("heads_warmup_steps", ""), ("muon_lr", " (0: 5 x train.lr)"),
                       ("max_nonfinite_steps", " (0: never stop)")):
         need(getattr(t, key) >= 0, f"train.{key} must be >= 0{zero}, got {getattr(t, key)}")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")

@@ -136,16 +136,19 @@ def test_auto_trains_eagle3_with_muon_and_a_checkpoint_from_before_the_key_resum
 
 def test_muon_lr_moves_the_hidden_matrices_lr_alone_and_is_refused_without_muon(ws):
     """train.muon_lr is the Muon group's lr (the schedule applies to it as to the others); AdamW's groups keep
-    train.lr; 0 means train.lr; set on a run that trains with AdamW it is refused, naming the key."""
+    train.lr; 0 (the default) resolves on load to 5 x train.lr, which recipe.yaml then records; set on a run that
+    trains with AdamW it is refused, naming the key, and a run with AdamW keeps it 0."""
     from tiny import tiny_model
 
     from medusa_train.train.optim import build_optimizer
 
     heads = DraftHeads.for_target(tiny_model(), "eagle3", 3, draft_ids=torch.arange(0, 260, 2))
-    for overrides, muon_lr in (([], 3e-3), (["train.muon_lr=0.02"], 0.02)):
+    assert config(ws, "lr").train.muon_lr == pytest.approx(1.5e-2)
+    assert config(ws, "lr", "train.optimizer=adamw").train.muon_lr == 0
+    for overrides, muon_lr in (([], 1.5e-2), (["train.muon_lr=0.02"], 0.02)):
         optimizer, _ = build_optimizer(config(ws, "lr", *overrides), heads, None, total_steps=10)
         (muon, *adamw) = [(g["muon"], g["initial_lr"]) for g in optimizer.param_groups]
-        assert muon == (True, muon_lr) and adamw and all(group == (False, 3e-3) for group in adamw)
+        assert muon == (True, pytest.approx(muon_lr)) and adamw and all(group == (False, 3e-3) for group in adamw)
     for bad, match in ((["train.optimizer=adamw", "train.muon_lr=0.02"], "train.muon_lr is Muon's lr"),
                        (["train.muon_lr=-1"], "train.muon_lr must be >= 0")):
         with pytest.raises(ConfigError, match=match):
