@@ -39,6 +39,7 @@ from inference.engine.calibrate import BOTH, LOOKUP, SCORED, AcceptanceCalibrato
 from inference.engine.choice import StepChoice
 
 MAX_NGRAM = 3
+LENGTHS = ("auto", "fixed")  # the "lengths" setting's values
 MAX_CONTEXT = 4096  # the engine's NGramDrafter reads as far back
 
 
@@ -110,9 +111,9 @@ class DraftPlanner:
     EXPLORE = 16
 
     def __init__(self, k: int, use_lookup: bool = True, lengths: str = "auto", clock=time.perf_counter):
-        if lengths not in ("auto", "fixed"):
+        if lengths not in LENGTHS:
             raise ValueError(f'draft lengths must be "auto" or "fixed", got {lengths!r}')
-        self.k, self.use_lookup, self.auto = k, use_lookup, lengths == "auto"
+        self.use_lookup, self.auto = use_lookup, lengths == "auto"
         self.calibrator = AcceptanceCalibrator(max_depth=max(k, 1))
         arms = ("both", "lookup") if use_lookup else ("heads", "plain")
         self.choice = StepChoice(arms if self.auto else arms[:1])
@@ -167,6 +168,7 @@ class DraftPlanner:
         """One request's candidate chains: (tokens, cells) for the heads' and the lookup's."""
         chains = []
         cont, n = found if found is not None else (np.zeros(0, dtype=np.int64), 0)
+        in_heads = False  # a lookup that agrees at its first token is in the heads' chain
         if heads is not None:
             tokens, q = heads
             m = min(len(cont), len(tokens))
@@ -174,9 +176,8 @@ class DraftPlanner:
             kind = np.full(len(tokens), SCORED)
             kind[:m][agree] = BOTH
             chains.append((tokens, self._cells(kind, q, n)))
-            if len(cont) and not agree[0]:  # a lookup that agrees at its first token is in the heads' chain
-                chains.append((cont, self._cells(np.full(len(cont), LOOKUP), np.zeros(len(cont)), n)))
-        elif len(cont):
+            in_heads = bool(m and agree[0])
+        if len(cont) and not in_heads:
             chains.append((cont, self._cells(np.full(len(cont), LOOKUP), np.zeros(len(cont)), n)))
         return chains
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inference.vllm_drafts import DraftPlanner, lookup
+from inference.vllm_drafts import LENGTHS, DraftPlanner, lookup
 
 METHOD = "medusa_train"
 # what the runner patch reads of vLLM's `propose_draft_token_ids` (the same in 0.32 and 0.33)
@@ -117,7 +117,7 @@ def _translate(speculative_config: dict[str, Any], model_config: Any) -> dict[st
     if not isinstance(ours.get("lookup", True), bool):
         raise ValueError(f'speculative_config "lookup" is {ours["lookup"]!r}: set it to true (heads and n-gram '
                          "lookup, the default) or false (the heads alone)")
-    if ours.get("lengths", "auto") not in ("auto", "fixed"):
+    if ours.get("lengths", "auto") not in LENGTHS:
         raise ValueError(f'speculative_config "lengths" is {ours["lengths"]!r}: set it to "auto" (each request '
                          'drafts what pays, the default) or "fixed" (num_speculative_tokens for every request)')
     k = speculative_config.get("num_speculative_tokens")
@@ -208,11 +208,14 @@ class HeadsProposer:
         heads' chains as a tensor [R, n] when lookup is off and lengths fixed."""
         live, rows, last = rows_to_draft(sampled, per_request)
         device = hidden.device
+
+        def drafted() -> tuple[torch.Tensor, torch.Tensor]:  # the heads' chains of the live requests
+            return self.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
+
         if self.chains_only:
             out = torch.zeros(len(sampled), n, dtype=torch.long, device=device)
             if live:
-                drafts, _ = self.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
-                out[torch.tensor(live, device=device)] = drafts
+                out[torch.tensor(live, device=device)] = drafted()[0]
             return out
         batch = runner.input_batch
         verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
@@ -224,7 +227,7 @@ class HeadsProposer:
         room = [max(0, min(n, self.max_model_len - 1 - int(ends[i]))) for i in live]
         heads = found = None
         if live and planner.runs_heads:
-            drafts, probs = self.draft(hidden[torch.tensor(rows, device=device)], torch.tensor(last, device=device), n)
+            drafts, probs = drafted()
             heads = drafts.cpu().numpy(), probs.cpu().numpy()
         if live and planner.use_lookup:
             found = [lookup(batch.token_ids_cpu[i, :ends[i]], n) for i in live]

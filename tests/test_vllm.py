@@ -554,6 +554,12 @@ def test_a_broken_plugin_fails_the_check(vllm_venv, plugin_site, tmp_path, tmp_p
         assert served_as_drafted(result, target, heads_dir, prompts, plain_long["outputs"]) is not None, name
 
 
+def request_of(ctx: list[int], prompts: list[list[int]], longer: list[list[int]]) -> int:
+    """The one request whose prompt and greedy continuation begin with the tokens `ctx`."""
+    (i,) = [i for i, (p, c) in enumerate(zip(prompts, longer)) if (p + c)[:len(ctx)] == ctx]
+    return i
+
+
 def plans_replayed(log: list[dict], prompts: list[list[int]], longer: list[list[int]]) -> dict:
     """vLLM's counters computed from the drafts our plugin made (`vllm_check.record_plans`): a draft made while its
     request was short of MAX_TOKENS is verified, and accepts the tokens equal to the target's own continuation."""
@@ -561,7 +567,7 @@ def plans_replayed(log: list[dict], prompts: list[list[int]], longer: list[list[
     out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * K}
     for row in log:
         ctx, draft = row["context"], row["draft"]
-        (i,) = [i for i, seq in enumerate(seqs) if seq[:len(ctx)] == ctx]
+        i = request_of(ctx, prompts, longer)
         if not draft or len(ctx) - len(prompts[i]) >= MAX_TOKENS:
             continue
         a = 0
@@ -588,7 +594,7 @@ def draft_sources(log: list[dict], target, heads_dir: Path, prompts, longer) -> 
     sources = []
     for row in log:
         ctx, draft = row["context"], row["draft"]
-        (i,) = [i for i, p in enumerate(prompts) if (p + longer[i])[:len(ctx)] == ctx]
+        i = request_of(ctx, prompts, longer)
         seq = prompts[i] + longer[i]
         if i not in feats:
             with torch.inference_mode():
