@@ -7,6 +7,17 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): a worker a core the suite may use, at most 8 (the tests that launch two
+    processes take a core each); none for the vLLM step (`-m vllm`), whose tests each start a vLLM engine pinned to
+    the first core."""
+    marks = config.getoption("markexpr") or ""
+    if "vllm" in marks and "not vllm" not in marks:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8) if cores > 1 else 0
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models on a 2-core machine: one intra-op thread per process is several times faster than two

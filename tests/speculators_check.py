@@ -1,8 +1,12 @@
-"""Run by test_export.py with the `speculators` package's own Python: load an export with speculators'
-Eagle3DraftModel and print, as one JSON line, its missing and unexpected keys, whether every saved tensor loaded
-as saved, and the logits of each of its training-time-test steps on the given inputs.
+"""Run by test_export.py with the `speculators` package's own Python, once for every export it checks (speculators'
+imports take most of a run): for each `KIND EXPORT_DIR INPUTS.pt` triple, load the export with speculators' own
+draft model and report its missing and unexpected keys, whether every saved tensor loaded as saved, what its config
+says, and its logits on the given inputs; prints one JSON line, a list of the reports in the order given.
 
-    python tests/speculators_check.py EXPORT_DIR INPUTS.pt
+    python tests/speculators_check.py eagle3 EXPORT_DIR INPUTS.pt [dflash EXPORT_DIR INPUTS.pt ...]
+
+eagle3: the logits of each training-time-test step. dflash: those of every block its training forward builds (an
+anchor at every position the loss mask allows).
 """
 
 import json
@@ -11,25 +15,54 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-export, inputs = sys.argv[1], sys.argv[2]
-config = Eagle3SpeculatorConfig.from_pretrained(export)
-config.transformer_layer_config._attn_implementation = "eager"  # the default (flex attention) needs a compiler
-model = Eagle3DraftModel.from_pretrained(export, config=config).eval()
-saved = load_file(str(Path(export) / "model.safetensors"))
-loaded = model.state_dict()
-data = torch.load(inputs)
-logits = []
-hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
-with torch.no_grad():
-    model(hidden_states=data["aux"], input_ids=data["input_ids"], document_ids=torch.zeros_like(data["input_ids"]),
-          ttt_steps=data["steps"])
-hook.remove()
-print(json.dumps({
-    "missing": sorted(set(loaded) - set(saved)), "unexpected": sorted(set(saved) - set(loaded)),
-    "as_saved": all(torch.equal(saved[k], loaded[k].to(saved[k].dtype)) for k in saved if k in loaded),
-    "aux_layers": list(model.config.eagle_aux_hidden_state_layer_ids),
-    "norms": [n for n in ("norm_before_fc", "norm_before_residual", "norm_output") if getattr(model.config, n)],
-    "logits": torch.stack(logits).tolist(),
-}))
+
+def load(export: str, model_class, config_class):
+    config = config_class.from_pretrained(export)
+    config.transformer_layer_config._attn_implementation = "eager"  # the default (flex attention) needs a compiler
+    model = model_class.from_pretrained(export, config=config).eval()
+    saved, loaded = load_file(str(Path(export) / "model.safetensors")), model.state_dict()
+    return model, {
+        "missing": sorted(set(loaded) - set(saved)), "unexpected": sorted(set(saved) - set(loaded)),
+        "as_saved": all(torch.equal(saved[k], loaded[k].to(saved[k].dtype)) for k in saved if k in loaded)}
+
+
+def eagle3(export: str, data: dict) -> dict:
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    model, report = load(export, Eagle3DraftModel, Eagle3SpeculatorConfig)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
+    with torch.no_grad():
+        model(hidden_states=data["aux"], input_ids=data["input_ids"],
+              document_ids=torch.zeros_like(data["input_ids"]), ttt_steps=data["steps"])
+    hook.remove()
+    return report | {
+        "aux_layers": list(model.config.eagle_aux_hidden_state_layer_ids),
+        "norms": [n for n in ("norm_before_fc", "norm_before_residual", "norm_output") if getattr(model.config, n)],
+        "logits": torch.stack(logits).tolist()}
+
+
+def dflash(export: str, data: dict) -> dict:
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    model, report = load(export, DFlashDraftModel, DFlashSpeculatorConfig)
+    ids, block = data["input_ids"], model.config.block_size
+    with torch.no_grad():
+        _, logits, _, mask, anchors = model._backbone_forward(
+            hidden_states=data["aux"], input_ids=ids, loss_mask=data["loss_mask"],
+            verifier_last_hidden_states=torch.zeros(*ids.shape, model.config.transformer_layer_config.hidden_size),
+            document_ids=torch.zeros_like(ids), max_anchors=ids.shape[1])
+    return report | {
+        "aux_layers": list(model.config.aux_hidden_state_layer_ids), "block_size": block,
+        "mask_token_id": model.config.mask_token_id,
+        "positions": anchors.view(-1, block)[:, 0].tolist(),  # each block's anchor position
+        "trained": mask.view(-1, block).any(dim=1).tolist(),  # blocks that are anchors, not padding
+        "logits": logits[0].view(-1, block, logits.shape[-1]).tolist()}
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    checks = {"eagle3": eagle3, "dflash": dflash}
+    print(json.dumps([checks[kind](export, torch.load(inputs))
+                      for kind, export, inputs in zip(args[::3], args[1::3], args[2::3])]))

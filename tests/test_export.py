@@ -44,7 +44,10 @@ def speculators_env_vars() -> dict[str, str]:
     import works: an interrupted or failed install never leaves a directory that a later run would trust."""
     where = cache_root() / f"speculators-0.9.0-py{sys.version_info.major}.{sys.version_info.minor}"
     probe = [sys.executable, "-c", "import speculators.models.eagle3, loguru"]
-    if where.is_dir() and subprocess.run(probe, env=speculators_env(where), capture_output=True).returncode == 0:
+    works = where / ".imports"  # written once the probe passed there: the probe's imports cost ~10 s a run
+    if works.is_file() or (where.is_dir() and subprocess.run(probe, env=speculators_env(where),
+                                                              capture_output=True).returncode == 0):
+        works.touch()
         return speculators_env(where)
     staging = where.with_name(f".{where.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -52,6 +55,7 @@ def speculators_env_vars() -> dict[str, str]:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                         "--target", str(staging), SPECULATORS, *SPECULATORS_IMPORTS], check=True)
         subprocess.run(probe, env=speculators_env(staging), check=True)
+        (staging / ".imports").touch()
         shutil.rmtree(where, ignore_errors=True)
         os.replace(staging, where)
     finally:
@@ -88,23 +92,55 @@ def eagle3_norms_dir(tmp_path_factory):
     return _eagle3_heads(tmp_path_factory.mktemp("export-norms"), NORMS)
 
 
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory):
+    """A tiny Llama target on disk and dflash heads for it: a block of 5, two layers, a draft vocabulary, perturbed."""
+    return _heads_on_disk(tmp_path_factory.mktemp("export-dflash"), "dflash", 4, 2, mask_token_id=257)
+
+
+DFLASH_T = 16  # the dflash check's sequence length
+
+
+@pytest.fixture(scope="module")
+def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_vars, tmp_path_factory):
+    """Each of the three heads exported `--format speculators` and read by speculators' own draft model, all in one
+    run of its Python (tests/speculators_check.py; its imports are most of a run): {fixture name: (what speculators
+    reported, our logits [K, T, V_draft], the heads)}, our logits from the same target states and tokens."""
+    work = tmp_path_factory.mktemp("speculators-read")
+    jobs, ours = [], {}
+    for name, (root, target, heads) in {"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir,
+                                        "dflash_dir": dflash_dir}.items():
+        out, inputs = work / name, work / f"{name}.pt"
+        assert main([str(root / "heads"), str(out), "--format", "speculators"]) == 0
+        T, K = (20, 3) if heads.kind == "eagle3" else (DFLASH_T, heads.spec.num_heads)
+        ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
+        feats = target_hidden(target, ids, None, heads.target_layers)
+        with torch.no_grad():
+            states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]
+            ours[name] = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # by target id
+        if heads.kind == "eagle3":
+            # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at rotary position
+            # t+1
+            data = {"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": K}
+        else:
+            loss_mask = torch.ones(1, T, dtype=torch.long)
+            loss_mask[0, 0] = 0  # an anchor at position 0 would have no context: our first block follows position 0
+            data = {"aux": feats[..., 32:].contiguous(), "input_ids": ids, "loss_mask": loss_mask}
+        torch.save(data, inputs)
+        jobs += [heads.kind, str(out), str(inputs)]
+    proc = subprocess.run([sys.executable, str(HERE / "speculators_check.py"), *jobs], capture_output=True, text=True,
+                          env=speculators_env_vars)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (got, ours[name], fixture[2]) for (name, fixture), got in
+            zip({"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir, "dflash_dir": dflash_dir}.items(),
+                reports)}
+
+
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
 @pytest.mark.parametrize("heads_fixture", ["eagle3_dir", "eagle3_norms_dir"])
-def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, speculators_env_vars, tmp_path, request):
-    root, target, heads = request.getfixturevalue(heads_fixture)
-    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
-    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
-    feats = target_hidden(target, ids, None, heads.target_layers)
-    with torch.no_grad():
-        states = heads(feats, ids, target.get_input_embeddings())
-        ours = torch.stack([heads.logits(k, states[k]) for k in range(3)])[:, 0]  # [K, T, V_draft], by target id
-    # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at rotary position t+1
-    torch.save({"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": 3},
-               tmp_path / "inputs.pt")
-    proc = subprocess.run([sys.executable, str(HERE / "speculators_check.py"), str(tmp_path / "out"),
-                           str(tmp_path / "inputs.pt")], capture_output=True, text=True, env=speculators_env_vars)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, speculators_read):
+    got, ours, heads = speculators_read[heads_fixture]
     # every tensor we wrote is one of theirs; what they miss is only the verifier's own LM head and norm, which
     # speculators never saves (it rebuilds them from the verifier for training)
     assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
@@ -117,31 +153,12 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
         assert err < 1e-5 * ours[k, :valid].abs().max().item() + 1e-6, (k, err)
 
 
-@pytest.fixture(scope="module")
-def dflash_dir(tmp_path_factory):
-    """A tiny Llama target on disk and dflash heads for it: a block of 5, two layers, a draft vocabulary, perturbed."""
-    return _heads_on_disk(tmp_path_factory.mktemp("export-dflash"), "dflash", 4, 2, mask_token_id=257)
-
-
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
-def test_speculators_dflash_loads_the_export_and_computes_our_logits(dflash_dir, speculators_env_vars, tmp_path):
+def test_speculators_dflash_loads_the_export_and_computes_our_logits(speculators_read):
     """speculators' own DFlashDraftModel, run over our export with an anchor at every position, gives for each
     block's slot i the logits our heads give head i at the position before the anchor."""
-    root, target, heads = dflash_dir
-    assert main([str(root / "heads"), str(tmp_path / "out"), "--format", "speculators"]) == 0
-    T, K = 16, heads.spec.num_heads
-    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
-    feats = target_hidden(target, ids, None, heads.target_layers)
-    with torch.no_grad():
-        states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]: head k at t, a block after t
-        ours = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # [K, T, V_draft]
-    loss_mask = torch.ones(1, T, dtype=torch.long)
-    loss_mask[0, 0] = 0  # an anchor at position 0 would have no context: our first block follows position 0
-    torch.save({"aux": feats[..., 32:].contiguous(), "input_ids": ids, "loss_mask": loss_mask}, tmp_path / "in.pt")
-    proc = subprocess.run([sys.executable, str(HERE / "speculators_dflash_check.py"), str(tmp_path / "out"),
-                           str(tmp_path / "in.pt")], capture_output=True, text=True, env=speculators_env_vars)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got, ours, heads = speculators_read["dflash_dir"]
+    T, K = DFLASH_T, heads.spec.num_heads
     # every tensor we wrote is one of theirs; they miss only the verifier's LM head and norm (never saved)
     assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
     assert got["as_saved"] and got["aux_layers"] == heads.spec.aux_layers
