@@ -98,7 +98,7 @@ def dflash_dir(tmp_path_factory):
     return _heads_on_disk(tmp_path_factory.mktemp("export-dflash"), "dflash", 4, 2, mask_token_id=257)
 
 
-DFLASH_T = 16  # the dflash check's sequence length
+EAGLE3_T, DFLASH_T = 20, 16  # the checks' sequence lengths
 
 
 @pytest.fixture(scope="module")
@@ -108,19 +108,18 @@ def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_v
     reported, our logits [K, T, V_draft], the heads)}, our logits from the same target states and tokens."""
     work = tmp_path_factory.mktemp("speculators-read")
     jobs, ours = [], {}
-    for name, (root, target, heads) in {"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir,
-                                        "dflash_dir": dflash_dir}.items():
+    fixtures = {"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir, "dflash_dir": dflash_dir}
+    for name, (root, target, heads) in fixtures.items():
         out, inputs = work / name, work / f"{name}.pt"
         assert main([str(root / "heads"), str(out), "--format", "speculators"]) == 0
-        T, K = (20, 3) if heads.kind == "eagle3" else (DFLASH_T, heads.spec.num_heads)
+        T, K = (EAGLE3_T, 3) if heads.kind == "eagle3" else (DFLASH_T, heads.spec.num_heads)
         ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(2))
         feats = target_hidden(target, ids, None, heads.target_layers)
         with torch.no_grad():
             states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]
             ours[name] = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # by target id
         if heads.kind == "eagle3":
-            # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at rotary position
-            # t+1
+            # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at position t+1
             data = {"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": K}
         else:
             loss_mask = torch.ones(1, T, dtype=torch.long)
@@ -132,9 +131,7 @@ def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_v
                           env=speculators_env_vars)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (got, ours[name], fixture[2]) for (name, fixture), got in
-            zip({"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir, "dflash_dir": dflash_dir}.items(),
-                reports)}
+    return {name: (got, ours[name], fixtures[name][2]) for name, got in zip(fixtures, reports)}
 
 
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
@@ -148,7 +145,7 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
     assert got["as_saved"] and got["aux_layers"] == heads.spec.aux_layers
     theirs = torch.tensor(got["logits"])[:, 0]  # [K, T, V_draft]
     for k in range(3):
-        valid = 20 - 1 - k  # past that, step k reads a token beyond the sequence (padding, differently filled)
+        valid = EAGLE3_T - 1 - k  # past that, step k reads a token beyond the sequence (padding, differently filled)
         err = (theirs[k, :valid] - ours[k, :valid]).abs().max().item()
         assert err < 1e-5 * ours[k, :valid].abs().max().item() + 1e-6, (k, err)
 
