@@ -9,7 +9,6 @@ loaded.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import types
@@ -22,6 +21,7 @@ import yaml
 
 from .base.errors import ConfigError
 from .base.files import is_heads_dir, local_data_files, looks_local
+from .base.keys import unknown_key_error
 from .kinds import KINDS
 
 __all__ = ["ConfigError", "Config", "load_config", "validate"]
@@ -85,7 +85,8 @@ def kind_options() -> tuple[type, ...]:
             first = seen.setdefault(f.name, f)
             if (first.type, first.default, first.default_factory) != (f.type, f.default, f.default_factory):
                 raise TypeError(f"heads.{f.name} is declared twice, differently ({first.type} and {f.type})")
-    return tuple({k.Options: None for k in KINDS.values()})
+    classes = list({k.Options: None for k in KINDS.values()})  # less those another extends (it has their keys)
+    return tuple(c for c in classes if not any(o is not c and issubclass(o, c) for o in classes))
 
 
 @dataclass
@@ -97,7 +98,8 @@ class CommonHeadsConfig:
     own LM head over the draft vocabulary), the kind vLLM and SGLang serve (`python -m medusa_train.export`).
     `dflash`: DFlash's block drafter (the target's layers fused as context, `layers_per_head` small decoder layers over
     a block of the decided token and num_heads mask tokens, non-causal: one forward drafts every depth), which vLLM
-    and SGLang serve too. Each kind's module (medusa_train/kinds/) says what it takes: the keys below the common ones
+    and SGLang serve too. `dspark`: DSpark, dflash's block plus a Markov head over the tokens drafted before each slot
+    and a confidence head, which vLLM serves. Each kind's module (medusa_train/kinds/) says what it takes: the keys below the common ones
     are each kind's own."""
     num_heads: int = 4
     """K: head k predicts token x_{t+1+k}. dflash: the mask tokens of its block, whose size (speculators'
@@ -233,6 +235,12 @@ class LossConfig:
     """Weight of KL(target || head k) to the target's own distribution at position t+k (soft labels)."""
     ce_weight: float = 0.0
     """Weight of cross-entropy to the data token x_{t+1+k}."""
+    tv_weight: float = 0.0
+    """Weight of the total-variation distance to the target's distribution, 1 - sum_v min(p_v, q_v): one minus the
+    rate at which sampling accepts the head's token (DSpark's objective; the dspark kind's default is 0.9, with
+    ce_weight 0.1 and distill_weight 0, where the recipe does not set them)."""
+    confidence_weight: float = 1.0
+    """Heads with a confidence head (dspark): weight of its binary cross-entropy to each position's acceptance rate."""
     decay: float = 0.8
     """Head k's loss is weighted decay**(k-1)."""
     lm_weight: float = 10.0
@@ -326,6 +334,9 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
     cfg = _build(Config, raw, prefix="")
+    for key, value in getattr(KINDS.get(cfg.heads.kind), "loss_defaults", {}).items():
+        if key not in (raw.get("loss") or {}):  # the kind's own objective where the recipe is silent
+            setattr(cfg.loss, key, value)
     _expand_home(cfg)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -368,51 +379,6 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys.append(prefix + f.name)
-            keys += _all_keys(hint, prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-# Names other trainers use for our keys (HF TrainingArguments, torchtune, Medusa's own scripts): a key typed
-# from habit, or misspelled from one, is pointed at ours.
-_ALIASES = {
-    "learning_rate": "train.lr", "per_device_train_batch_size": "train.batch_size",
-    "gradient_accumulation_steps": "train.grad_accum", "num_train_epochs": "train.epochs",
-    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_total_limit": "train.keep_checkpoints",
-    "gradient_clipping": "train.max_grad_norm", "clip_grad_norm": "train.max_grad_norm", "steps": "train.max_steps",
-    "max_seq_length": "data.max_length", "max_seq_len": "data.max_length", "seq_len": "data.max_length",
-    "dataset_name": "data.dataset", "model_name_or_path": "target.model", "torch_dtype": "target.dtype",
-    "medusa_num_heads": "heads.num_heads", "medusa_num_layers": "heads.layers_per_head",
-    "eval_steps": "eval.every", "kl_weight": "loss.distill_weight", "report_to": "tracking.backend",
-    "wandb_project": "tracking.project",
-}
-
-
-def _nearest_key(key: str) -> str | None:
-    """The valid key `key` most likely meant: its last part matched against our keys' last parts and the
-    aliases above, a key in the same section (or the section it most likely meant) winning a tie."""
-    hints = typing.get_type_hints(Config)
-    sections = [name for name, hint in hints.items() if dataclasses.is_dataclass(hint)]
-    section, _, leaf = key.rpartition(".")
-    section = (difflib.get_close_matches(section, sections, n=1, cutoff=0.6) or [section])[0]
-    by_leaf = {k.rsplit(".", 1)[-1]: k for k in _all_keys(Config) if k not in sections} | _ALIASES
-    score, best = max((difflib.SequenceMatcher(None, leaf, name).ratio()
-                       + (0.05 if k.rpartition(".")[0] == section else 0.0), k) for name, k in by_leaf.items())
-    return best if score >= 0.6 else None
-
-
-def _unknown_key_error(key: str) -> ConfigError:
-    near = _nearest_key(key)
-    return ConfigError(f"unknown config key: {key}" + (f"; did you mean {near}?" if near else ""))
-
-
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
         raw = {}
@@ -426,7 +392,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             while isinstance(value, dict) and len(value) == 1:  # a misspelled section: name the whole key
                 (sub, value), = value.items()
                 full += f".{sub}"
-            raise _unknown_key_error(full)
+            raise unknown_key_error(full, Config)
     kwargs = {}
     for name in names & set(raw):
         hint = hints[name]
@@ -491,6 +457,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
+def listed(names: list[str], conjunction: str) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
+
+
 def need(ok: bool, msg: str) -> None:  # ConfigError(msg) unless ok
     if not ok:
         raise ConfigError(msg)
@@ -502,7 +473,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     validate_heads(cfg.heads)
     validate_data(cfg.data)
     validate_train(cfg.train, world_size)
-    takers = " and ".join(k for k, c in KINDS.items() if c.recomputes)
+    takers = listed([k for k, c in KINDS.items() if c.recomputes], "and")
     need(not cfg.train.activation_checkpointing or KINDS[cfg.heads.kind].recomputes, f"train.activation_checkpointing "
          f"recomputes draft layers, which {cfg.heads.kind} heads do not have (only {takers} do): remove it")
     validate_loss(cfg.loss)
@@ -561,7 +532,7 @@ def validate_heads(h: HeadsConfig) -> None:
     if foreign:
         def takers(key: str) -> str:
             names = [n for n, k in KINDS.items() if key in {f.name for f in dataclasses.fields(k.Options)}]
-            return f"heads.kind={' or '.join(names)}" + (" only" if len(names) == 1 else "")
+            return f"heads.kind={listed(names, 'or')}" + (" only" if len(names) == 1 else "")
 
         said = ", ".join(f"heads.{key}{' is' if i == 0 else ''} for {takers(key)}" for i, key in enumerate(foreign))
         raise ConfigError(f"{said} (heads.kind={h.kind}): remove {'it' if len(foreign) == 1 else 'them'}")
@@ -604,11 +575,11 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
 
 
 def validate_loss(lo: LossConfig) -> None:
-    need(lo.distill_weight >= 0, f"loss.distill_weight must be >= 0, got {lo.distill_weight}")
-    need(lo.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {lo.ce_weight}")
-    need(lo.distill_weight + lo.ce_weight > 0, "loss.distill_weight and loss.ce_weight cannot both be 0")
+    for key in ("distill_weight", "ce_weight", "tv_weight", "confidence_weight", "lm_weight"):
+        need(getattr(lo, key) >= 0, f"loss.{key} must be >= 0, got {getattr(lo, key)}")
+    need(lo.distill_weight + lo.ce_weight + lo.tv_weight > 0,
+         "loss.distill_weight, loss.ce_weight and loss.tv_weight cannot all be 0")
     need(0 < lo.decay <= 1, f"loss.decay must be in (0, 1], got {lo.decay}")
-    need(lo.lm_weight >= 0, f"loss.lm_weight must be >= 0, got {lo.lm_weight}")
     need(lo.chunk_size >= 1, f"loss.chunk_size must be >= 1, got {lo.chunk_size}")
 
 

@@ -99,8 +99,8 @@ def greedy_reference(model, input_ids: torch.Tensor, n: int) -> list[int]:
     return out[0, input_ids.shape[1]:].tolist()
 
 
-def check_model(model_type: str, model, kinds: tuple[str, ...] = ("chained", "parallel", "eagle3", "dflash"),
-                max_new: int = 20) -> Row:
+def check_model(model_type: str, model,
+                kinds: tuple[str, ...] = ("chained", "parallel", "eagle3", "dflash", "dspark"), max_new: int = 20) -> Row:
     """Every drafter on `model`: exact greedy output, sampling that runs; or the engine's one-line refusal."""
     from test_inference_greedy import PlantedDrafter
 

@@ -49,22 +49,22 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     ("train.foo=1", "unknown config key: train.foo"),
     ("train.batch_size=abc", "train.batch_size must be int, got 'abc'"),
     ("heads.num_heads=0", "heads.num_heads must be between 1 and 16, got 0"),
-    ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel' | 'eagle3' | 'dflash', got 'serial'"),
+    ("heads.kind=serial", "heads.kind must be one of 'chained' | 'parallel' | 'eagle3' | 'dflash' | 'dspark', got 'serial'"),
     ("heads.kind=eagle3 heads.block=mlp_speculator heads.context_layers=1",
      "heads.context_layers is for heads.kind=chained or parallel, heads.block for heads.kind=chained only "
      "(heads.kind=eagle3): remove them"),
     ("heads.kind=eagle3 heads.aux_layers=[2,2]", "heads.aux_layers must be distinct layer ids >= 0, got [2, 2]"),
     ("heads.kind=eagle3 heads.aux_layers=3", "heads.aux_layers must be a list, got 3"),
-    ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3 or dflash (heads.kind=chained): remove it"),
+    ("heads.aux_layers=[1,2]", "heads.aux_layers is for heads.kind=eagle3, dflash or dspark (heads.kind=chained): remove it"),
     ("heads.kind=dflash heads.own_lm_head=true",
      "heads.own_lm_head is for heads.kind=chained or parallel (heads.kind=dflash): remove it"),
     ("heads.kind=dflash heads.aux_layers=[3,3]", "heads.aux_layers must be distinct layer ids >= 0, got [3, 3]"),
     ("heads.kind=dflash heads.norms=[norm_output]", "heads.norms is for heads.kind=eagle3 only (heads.kind=dflash)"),
     ("heads.kind=dflash heads.mask_token_id=-1", "heads.mask_token_id must be a token id >= 0"),
     ("heads.kind=dflash heads.anchors=-2", "heads.anchors must be >= 0 (0: a block after every position), got -2"),
-    ("heads.anchors=8", "heads.anchors is for heads.kind=dflash only (heads.kind=chained): remove it"),
+    ("heads.anchors=8", "heads.anchors is for heads.kind=dflash or dspark (heads.kind=chained): remove it"),
     ("heads.kind=eagle3 heads.mask_token_id=3",
-     "heads.mask_token_id is for heads.kind=dflash only (heads.kind=eagle3)"),
+     "heads.mask_token_id is for heads.kind=dflash or dspark (heads.kind=eagle3)"),
     ("heads.kind=eagle3 heads.norms=[norm_after_fc]", "heads.norms must be distinct names among norm_before_fc, "
      "norm_before_residual, norm_output (or auto), got ['norm_after_fc']"),
     ("heads.kind=eagle3 heads.norms=all", "heads.norms must be list | 'auto', got 'all'"),
@@ -172,12 +172,13 @@ def test_eagle3_heads_get_two_norms_unless_the_recipe_says_otherwise(tmp_path):
 
 
 def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
-    """train.activation_checkpointing: taken for eagle3 and dflash, refused in one line for kinds without layers."""
+    """train.activation_checkpointing: taken for eagle3, dflash and dspark, refused in one line for kinds without
+    layers."""
     from medusa_train.config import ConfigError
 
-    for kind in ("eagle3", "dflash"):
+    for kind in ("eagle3", "dflash", "dspark"):
         assert load_config(recipe, [f"heads.kind={kind}", "train.activation_checkpointing=true"]
                            ).train.activation_checkpointing
     with pytest.raises(ConfigError, match="train.activation_checkpointing recomputes draft layers, which chained heads "
-                                          r"do not have \(only eagle3 and dflash do\): remove it"):
+                                          r"do not have \(only eagle3, dflash and dspark do\): remove it"):
         load_config(recipe, ["heads.kind=chained", "train.activation_checkpointing=true"])

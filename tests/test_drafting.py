@@ -27,6 +27,7 @@ from tiny import VOCAB, tiny_tokenizer
 
 from inference import HeadsDrafter, HybridDrafter, SpeculativeGenerator
 from inference.engine.drafters import DraftContext
+from medusa_train.kinds.dflash import DFlashDrafting
 from medusa_train.kinds.heads import DraftHeads
 from medusa_train.target.model import target_hidden
 
@@ -42,6 +43,8 @@ KINDS = {  # name: (kind, draft vocabulary size, context layers)
     "eagle3-draft-vocab": ("eagle3", 40, 0),
     "dflash": ("dflash", 0, 0),
     "dflash-draft-vocab": ("dflash", 40, 0),
+    "dspark": ("dspark", 0, 0),
+    "dspark-draft-vocab": ("dspark", 40, 0),
 }
 
 
@@ -172,7 +175,9 @@ class OracleMixin:
         return super().draft(ctx)
 
     def head_logits(self, k, s):
-        rows = range(s.shape[0]) if not self.chained else [k] * s.shape[0]  # parallel: row j is head j
+        # parallel and block drafters (dflash, dspark) score every depth at once: row j is head j
+        every_depth = not self.chained or isinstance(self._drafting, DFlashDrafting)
+        rows = range(s.shape[0]) if every_depth else [k] * s.shape[0]
         out = torch.full((s.shape[0], self.heads.spec.scored_vocab), -30.0, dtype=s.dtype)
         for r, depth in enumerate(rows):
             pos = self.base + depth

@@ -98,17 +98,25 @@ def dflash_dir(tmp_path_factory):
     return _heads_on_disk(tmp_path_factory.mktemp("export-dflash"), "dflash", 4, 2, mask_token_id=257)
 
 
+@pytest.fixture(scope="module")
+def dspark_dir(tmp_path_factory):
+    """The same for dspark heads: a Markov head of rank 8 (moved off its zero start) and a confidence head."""
+    return _heads_on_disk(tmp_path_factory.mktemp("export-dspark"), "dspark", 4, 2, mask_token_id=257, markov_rank=8)
+
+
 EAGLE3_T, DFLASH_T = 20, 16  # the checks' sequence lengths
 
 
 @pytest.fixture(scope="module")
-def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_vars, tmp_path_factory):
-    """Each of the three heads exported `--format speculators` and read by speculators' own draft model, all in one
+def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, dspark_dir, speculators_env_vars, tmp_path_factory):
+    """Each of the four heads exported `--format speculators` and read by speculators' own draft model, all in one
     run of its Python (tests/speculators_check.py; its imports are most of a run): {fixture name: (what speculators
-    reported, our logits [K, T, V_draft], the heads)}, our logits from the same target states and tokens."""
+    reported, our logits [K, T, V_draft], the heads, our confidence logits [K, T] or None)}, ours from the same
+    target states and tokens."""
     work = tmp_path_factory.mktemp("speculators-read")
     jobs, ours = [], {}
-    fixtures = {"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir, "dflash_dir": dflash_dir}
+    fixtures = {"eagle3_dir": eagle3_dir, "eagle3_norms_dir": eagle3_norms_dir, "dflash_dir": dflash_dir,
+                "dspark_dir": dspark_dir}
     for name, (root, target, heads) in fixtures.items():
         out, inputs = work / name, work / f"{name}.pt"
         assert main([str(root / "heads"), str(out), "--format", "speculators"]) == 0
@@ -118,6 +126,8 @@ def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_v
         with torch.no_grad():
             states = heads(feats, ids, target.get_input_embeddings())  # [K, 1, T, d]
             ours[name] = torch.stack([heads.logits(k, states[k]) for k in range(K)])[:, 0]  # by target id
+            if heads.has_confidence:
+                ours[name + "/confidence"] = torch.stack([heads.confidence(k, states[k]) for k in range(K)])[:, 0]
         if heads.kind == "eagle3":
             # speculators reads the aux states at t with x_{t+1} (its data pipeline shifts the ids) at position t+1
             data = {"aux": feats[..., 32:].contiguous(), "input_ids": F.pad(ids[:, 1:], (0, 1)), "steps": K}
@@ -131,13 +141,14 @@ def speculators_read(eagle3_dir, eagle3_norms_dir, dflash_dir, speculators_env_v
                           env=speculators_env_vars)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (got, ours[name], fixtures[name][2]) for name, got in zip(fixtures, reports)}
+    return {name: (got, ours[name], fixtures[name][2], ours.get(name + "/confidence"))
+            for name, got in zip(fixtures, reports)}
 
 
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
 @pytest.mark.parametrize("heads_fixture", ["eagle3_dir", "eagle3_norms_dir"])
 def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, speculators_read):
-    got, ours, heads = speculators_read[heads_fixture]
+    got, ours, heads, _ = speculators_read[heads_fixture]
     # every tensor we wrote is one of theirs; what they miss is only the verifier's own LM head and norm, which
     # speculators never saves (it rebuilds them from the verifier for training)
     assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
@@ -151,10 +162,12 @@ def test_speculators_loads_the_export_and_computes_our_logits(heads_fixture, spe
 
 
 @pytest.mark.timeout(600)  # the first run on a machine installs speculators
-def test_speculators_dflash_loads_the_export_and_computes_our_logits(speculators_read):
-    """speculators' own DFlashDraftModel, run over our export with an anchor at every position, gives for each
-    block's slot i the logits our heads give head i at the position before the anchor."""
-    got, ours, heads = speculators_read["dflash_dir"]
+@pytest.mark.parametrize("heads_fixture", ["dflash_dir", "dspark_dir"])
+def test_speculators_dflash_loads_the_export_and_computes_our_logits(heads_fixture, speculators_read):
+    """speculators' own DFlashDraftModel (DSparkDraftModel), run over our export with an anchor at every position,
+    gives for each block's slot i the logits our heads give head i at the position before the anchor (dspark: with
+    the Markov bias of the token before the slot, and the confidence head's logits)."""
+    got, ours, heads, our_confidence = speculators_read[heads_fixture]
     T, K = DFLASH_T, heads.spec.num_heads
     # every tensor we wrote is one of theirs; they miss only the verifier's LM head and norm (never saved)
     assert got["unexpected"] == [] and got["missing"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
@@ -163,11 +176,19 @@ def test_speculators_dflash_loads_the_export_and_computes_our_logits(speculators
     positions = [a for a, real in zip(got["positions"], got["trained"]) if real]
     assert positions == list(range(1, T - K - 1))  # speculators leaves the last block_size positions out
     theirs = torch.tensor(got["logits"])  # [blocks, block_size, V_draft]
+    confidence = torch.tensor(got.get("confidence", []))
     for n, a in enumerate(positions):
         for i in range(1, K + 1):
             ref = ours[i - 1, a - 1]
             err = (theirs[n, i] - ref).abs().max().item()
             assert err < 1e-5 * ref.abs().max().item() + 1e-6, (a, i, err)
+            if heads.kind == "dspark":
+                ref = our_confidence[i - 1, a - 1]
+                assert abs(confidence[n, i] - ref) < 1e-5 * abs(ref) + 1e-6, (a, i)
+    if heads.kind == "dspark":  # (the Markov head is not at its zero start: the check above crossed its bias)
+        assert heads.dflash.markov_head.markov_w2.weight.abs().max() > 0.01
+        assert got["dspark"] == {"markov_rank": 8, "markov_head_type": "vanilla", "sample_from_anchor": False,
+                                 "enable_confidence_head": True, "confidence_head_with_markov": True}
 
 
 def test_speculators_config_holds_what_vllm_reads(eagle3_dir, tmp_path):

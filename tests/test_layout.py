@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KIND_NAMES = ("chained", "parallel", "eagle3", "dflash")
+KIND_NAMES = ("chained", "parallel", "eagle3", "dflash", "dspark")
 
 # room -> its modules; the rooms are listed bottom up. The folders (medusa_train/base, target, kinds, data, train) say
 # what a module is about; the rooms say what it may build on.
 ROOMS = {
-    "base": ["medusa_train.base.errors", "medusa_train.base.files"],
+    "base": ["medusa_train.base.errors", "medusa_train.base.files", "medusa_train.base.keys"],
     "target": ["medusa_train.target.model", "medusa_train.target.weights", "medusa_train.target.states"],
     "kinds": ["medusa_train.kinds", "medusa_train.kinds.heads", "medusa_train.kinds.attention",
               "medusa_train.kinds.blocks",
               "medusa_train.kinds.speculators", "medusa_train.kinds.chained", "medusa_train.kinds.parallel",
-              "medusa_train.kinds.eagle3", "medusa_train.kinds.dflash"],
+              "medusa_train.kinds.eagle3", "medusa_train.kinds.dflash", "medusa_train.kinds.dspark"],
     "recipe": ["medusa_train.config"],
     "data": ["medusa_train.data.chat", "medusa_train.data.formats", "medusa_train.data.rows",
              "medusa_train.data.distilled",

@@ -8,6 +8,7 @@
     parallel     Medusa-1: every head reads h_t alone
     eagle3       EAGLE-3's draft layer, applied step after step
     dflash       DFlash's block drafter: one forward drafts every depth
+    dspark       DSpark: dflash's block plus a Markov head over the drafted tokens and a confidence head
 
 The registry is the list below: importing a kind's module registers it under its name.
 """
@@ -17,6 +18,7 @@ from . import chained  # noqa: F401, I001
 from . import parallel  # noqa: F401
 from . import eagle3  # noqa: F401
 from . import dflash  # noqa: F401
+from . import dspark  # noqa: F401
 from .heads import KINDS, DraftHeads, HeadsSpec, kind_class, load_spec
 
 __all__ = ["KINDS", "DraftHeads", "HeadsSpec", "kind_class", "load_spec"]

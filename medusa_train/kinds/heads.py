@@ -245,6 +245,8 @@ class DraftHeads(nn.Module):
     """Whether `train.activation_checkpointing` applies: the kind has draft layers whose activations `checkpointed`
     recomputes in backward (set on the heads as `recompute` for a training run)."""
     recompute: bool = False
+    loss_defaults: ClassVar[dict[str, float]] = {}
+    """`loss.*` values the kind trains with where the recipe does not set them (dspark: its paper's objective)."""
 
     def __new__(cls, spec: HeadsSpec | None = None, *args: Any, **kwargs: Any):
         if cls is DraftHeads and spec is not None:  # (copies and unpickling pass no spec: they name the subclass)
@@ -357,6 +359,21 @@ class DraftHeads(nn.Module):
         """Head k's logits from the states its drafting passes on, for kinds that own their LM head (the engine
         scores the others with the target's)."""
         return self.logits(k, states)
+
+    def extra_scoring_weight(self) -> torch.Tensor | None:
+        """[V_scored, r]: a matrix of the kind's own scoring the r columns its training states carry past
+        `hidden_size` (a logit bias added to the LM head's: dspark's Markov head); None: states are hidden_size wide."""
+        return None
+
+    @property
+    def has_confidence(self) -> bool:
+        """Whether the heads predict their own acceptance (`confidence`)."""
+        return False
+
+    def confidence(self, k: int, states: torch.Tensor) -> torch.Tensor | None:
+        """Head k's predicted log-odds [n] that its token at training states [n, ...] is accepted (a confidence head,
+        trained to the acceptance rate sum_v min(p_v, q_v)); None for kinds without one."""
+        return None
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Map indices into the scored vocabulary back to target token ids."""

@@ -98,7 +98,7 @@ def lm_kl(h: torch.Tensor, h_original: torch.Tensor, lm_head: nn.Module, valid: 
         with torch.no_grad():  # the same matmul FusedHeadLoss makes, so that equal states give a KL of exactly 0
             z = (flat_o[a:b] @ w.t()).float()
             teacher = torch.log_softmax(z if transform is None or transform.identity else transform(z), dim=-1)
-        part, kl, _, top5 = FusedHeadLoss.apply(flat[a:b], w, teacher, no_target[a:b], pos_weight[a:b], weight, 0.0,
+        part, kl, _, top5, *_ = FusedHeadLoss.apply(flat[a:b], w, teacher, no_target[a:b], pos_weight[a:b], weight, 0.0,
                                                 transform)
         loss, kl_sum = loss + part, kl_sum + kl
         greedy.append(top5[:, 0])

@@ -17,6 +17,7 @@ heads (head k reads them shifted by k).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import LossConfig
@@ -26,7 +27,7 @@ from ..target.model import LogitTransform, chunk_positions
 IGNORE = -100
 # Columns of the per-head statistics tensor [K, len(STATS)]. All are sums over positions, so they add up
 # across micro-steps and processes; divide by `count` at log time.
-STATS = ("count", "kl", "ce", "top1_target", "top5_target", "top1_data", "top5_data", "ce_skipped")
+STATS = ("count", "kl", "ce", "top1_target", "top5_target", "top1_data", "top5_data", "ce_skipped", "tv", "conf_err")
 COL = {name: i for i, name in enumerate(STATS)}
 
 
@@ -95,12 +96,19 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor, teacher_logp: torch.Tensor | None,
                 target_idx: torch.Tensor, pos_weight: torch.Tensor, distill_w: float, ce_w: float,
-                transform: LogitTransform | None = None, weight_grad: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # states [n, d] (weight's dtype); weight [V, d]; teacher_logp [n, V] fp32 or None;
-        # target_idx [n] (-1: not in the scored vocab); pos_weight [n] = mask * decay**k / count;
-        # transform: the target's final-logit transform (a scale, a soft cap), applied to the heads' logits too
-        z = (states @ weight.t()).float()  # [n, V]
+                transform: LogitTransform | None = None, weight_grad: torch.Tensor | None = None, tv_w: float = 0.0,
+                extra: torch.Tensor | None = None, extra_grad: torch.Tensor | None = None, rates: bool = False
+                ) -> tuple[torch.Tensor, ...]:
+        # states [n, d] (weight's dtype), or [n, d + r] with `extra` [V, r] scoring the last r columns (a kind's
+        # logit bias, dspark's Markov head; its gradient is added to `extra_grad`); weight [V, d]; teacher_logp [n, V]
+        # fp32 or None; target_idx [n] (-1: not in the scored vocab); pos_weight [n] = mask * decay**k / count;
+        # transform: the target's final-logit transform (a scale, a soft cap), applied to the heads' logits too.
+        # Returns the loss, the summed KL, CE and total variation (with tv_w or `rates`) over the real positions, the
+        # top 5, and (`rates`) each position's acceptance rate sum_v min(p_v, q_v) = 1 - TV (else empty).
+        d = weight.shape[1]
+        z = (states[:, :d] @ weight.t()).float()  # [n, V]
+        if extra is not None:
+            z += (states[:, d:] @ extra.t()).float()
         dz = None
         if transform is not None and not transform.identity:
             z = transform(z)
@@ -111,13 +119,23 @@ class FusedHeadLoss(torch.autograd.Function):
         mask = (pos_weight != 0).float()
         in_vocab = (target_idx >= 0).float()
         y = target_idx.clamp_min(0).unsqueeze(-1)
-        kl = ce = logq.new_zeros(logq.shape[0])
+        kl = ce = tv = logq.new_zeros(logq.shape[0])
+        accept = logq.new_zeros(0)
         q = logq.exp()
         grad = q * (pos_weight * (distill_w + ce_w * in_vocab)).unsqueeze(-1)  # [n, V]; built in place below
-        if distill_w > 0:
+        if teacher_logp is not None:
             p = teacher_logp.exp()
-            kl = (p * (teacher_logp - logq)).sum(-1)
-            grad.sub_(p.mul_((pos_weight * distill_w).unsqueeze(-1)))
+            if tv_w > 0 or rates:  # (an [n, V] temporary: only when asked)
+                tv = 1.0 - torch.minimum(p, q).sum(-1)
+                accept = (1.0 - tv) if rates else accept
+            if tv_w > 0:  # d TV / d z = q (s - <s, q>) / 2 with s = sign(q - p)
+                sign = torch.sign(q - p)
+                sign.sub_((sign * q).sum(-1, keepdim=True)).mul_(q).mul_((0.5 * tv_w * pos_weight).unsqueeze(-1))
+                grad.add_(sign)
+                del sign
+            if distill_w > 0:
+                kl = (p * (teacher_logp - logq)).sum(-1)
+                grad.sub_(p.mul_((pos_weight * distill_w).unsqueeze(-1)))
             del p
         if ce_w > 0:
             ce = -logq.gather(-1, y).squeeze(-1)
@@ -126,20 +144,27 @@ class FusedHeadLoss(torch.autograd.Function):
         if dz is not None:
             grad.mul_(dz)
             del dz
-        loss = (pos_weight * (distill_w * kl + ce_w * in_vocab * ce)).sum()
-        grad_states = (grad.to(weight.dtype) @ weight) if ctx.needs_input_grad[0] else None  # [n, d]
-        grad_weight = (grad.t().to(states.dtype) @ states) if ctx.needs_input_grad[1] else None  # [V, d]
+        loss = (pos_weight * (distill_w * kl + ce_w * in_vocab * ce + tv_w * tv)).sum()
+        needs_states, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_states = (grad.to(weight.dtype) @ weight) if needs_states else None  # [n, d]
+        if needs_states and extra is not None:
+            grad_states = torch.cat([grad_states, grad.to(extra.dtype) @ extra], dim=1)  # [n, d + r]
+        grad_weight = (grad.t().to(states.dtype) @ states[:, :d]) if needs_weight else None  # [V, d]
         if weight_grad is not None:  # [V, d]: summed over chunks here, given to the weight once (AccumulatedGrad)
-            weight_grad.addmm_(grad.t().to(weight_grad.dtype), states.to(weight_grad.dtype))
+            weight_grad.addmm_(grad.t().to(weight_grad.dtype), states[:, :d].to(weight_grad.dtype))
+        if extra_grad is not None:
+            extra_grad.addmm_(grad.t().to(extra_grad.dtype), states[:, d:].to(extra_grad.dtype))
         ctx.save_for_backward(grad_states, grad_weight)
-        ctx.mark_non_differentiable(top5)
-        return loss, (kl * mask).sum().detach(), (ce * mask * in_vocab).sum().detach(), top5
+        ctx.mark_non_differentiable(top5, accept)
+        return (loss, (kl * mask).sum().detach(), (ce * mask * in_vocab).sum().detach(), top5,
+                (tv * mask).sum().detach(), accept.detach())
 
     @staticmethod
-    def backward(ctx, grad_loss, _kl, _ce, _top5):
+    def backward(ctx, grad_loss, _kl, _ce, _top5, _tv, _accept):
         grad_states, grad_weight = ctx.saved_tensors
         return (None if grad_states is None else grad_states * grad_loss,
-                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None, None, None)
+                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None, None, None,
+                None, None, None, None)
 
 
 class AccumulatedGrad(torch.autograd.Function):
@@ -201,7 +226,7 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     pos_weight = valid.float() * (decay if token_sums else decay / counts.clamp_min(1)).view(K, 1, 1)  # [K, B, T]
     # position u of these holds u+1's: the target's state and greedy token one ahead, padded for the last
     # chunk's heads (head k at position t reads the teacher at t+1+k)
-    h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, d)], dim=1)
+    h_next = torch.cat([shift_left(h, 1, 0.0), h.new_zeros(B, K, h.shape[-1])], dim=1)
     greedy_next = torch.cat([shift_left(greedy, 1, 0), greedy.new_zeros(B, K)], dim=1)
     shared = not heads.owns_lm_head  # every head scores with the target's LM head: gather its rows once
     weights = [heads.scoring_weight(0, lm_head)] * K if shared else [heads.scoring_weight(k, lm_head) for k in range(K)]
@@ -214,12 +239,13 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     step = chunk_positions(cfg.chunk_size, B, heads.spec.scored_vocab, states.device)
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
-    buffers = grad_buffers(weights)
+    extra = heads.extra_scoring_weight()
+    buffers = grad_buffers(weights + [extra] * (extra is not None))
     for a in range(0, T, step):
         b = min(a + step, T)
         c = b - a
         teacher_logp = None
-        if cfg.distill_weight > 0:  # soft labels, normalised over the scored vocabulary
+        if needs_teacher(heads, cfg):  # soft labels, normalised over the scored vocabulary
             teacher = teacher_logits(lm_head, h_next[:, a:b + K - 1], teacher_w, teacher_b)  # [B, c+K-1, V']
             if transform is not None and not transform.identity:
                 teacher = transform(teacher)
@@ -231,21 +257,36 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
             loss = loss + _head_chunk(heads, k, states[k, :, a:b].reshape(B * c, d), weights[k], p_k,
                                       target_ids[k, :, a:b].reshape(-1), target_idx[k, :, a:b].reshape(-1),
                                       valid[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
-                                      teacher_top[:, k:k + c].reshape(-1), cfg, transform, stats,
-                                      buffers.get(id(weights[k])))
-    return hand_over(loss, weights, buffers), stats
+                                      teacher_top[:, k:k + c].reshape(-1), cfg, transform, stats, buffers)
+    return hand_over(loss, weights + [extra] * (extra is not None), buffers), stats
+
+
+def needs_teacher(heads: DraftHeads, cfg: LossConfig) -> bool:
+    """Whether the loss reads the target's distribution: KL, total variation, or a confidence head's target."""
+    return cfg.distill_weight > 0 or cfg.tv_weight > 0 or (heads.has_confidence and cfg.confidence_weight > 0)
 
 
 def _head_chunk(heads: DraftHeads, k: int, s: torch.Tensor, w: torch.Tensor, teacher_logp: torch.Tensor | None,
                 target_ids: torch.Tensor, target_idx: torch.Tensor, valid: torch.Tensor, pos_weight: torch.Tensor,
                 greedy: torch.Tensor, cfg: LossConfig, transform: LogitTransform | None, stats: torch.Tensor,
-                weight_grad: torch.Tensor | None = None) -> torch.Tensor:
-    """Head k's loss over n positions (states s [n, d], scored by w; the teacher's log-probabilities, data tokens,
-    their scored-vocabulary indices, validity, weights and the target's greedy tokens, each [n, ...]); its statistics
-    are added to stats[k]. With `weight_grad`, w's gradient is added there (`grad_buffers`) instead of kept."""
-    head_loss, kl, ce, top5 = FusedHeadLoss.apply(s.to(w.dtype), w if weight_grad is None else w.detach(),
-                                                  teacher_logp, target_idx, pos_weight, cfg.distill_weight,
-                                                  cfg.ce_weight, transform, weight_grad)
+                buffers: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Head k's loss over n positions (states s [n, d], scored by w, and by the kind's `extra_scoring_weight` past
+    d; the teacher's log-probabilities, data tokens, their scored-vocabulary indices, validity, weights and the
+    target's greedy tokens, each [n, ...]); its statistics are added to stats[k]. A weight with a buffer in `buffers`
+    (`grad_buffers`) has its gradient added there instead of kept. A kind with a confidence head has it learn each
+    position's acceptance rate sum_v min(p_v, q_v) (binary cross-entropy, `loss.confidence_weight`)."""
+    extra = heads.extra_scoring_weight()
+    conf = heads.confidence(k, s) if teacher_logp is not None and cfg.confidence_weight > 0 else None
+    w_grad, e_grad = buffers.get(id(w)), None if extra is None else buffers.get(id(extra))
+    head_loss, kl, ce, top5, tv, accept = FusedHeadLoss.apply(
+        s.to(w.dtype), w if w_grad is None else w.detach(), teacher_logp, target_idx, pos_weight, cfg.distill_weight,
+        cfg.ce_weight, transform, w_grad, cfg.tv_weight, None if extra is None else extra.detach(), e_grad,
+        conf is not None)
+    conf_err = head_loss.new_zeros(())
+    if conf is not None:  # binary cross-entropy to the measured rate, weighted as the position's other terms
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+        head_loss = head_loss + (pos_weight * cfg.confidence_weight * bce).sum()
+        conf_err = ((conf.detach().float().sigmoid() - accept).abs() * (pos_weight != 0)).sum()
     with torch.no_grad():  # accuracies as target ids, kept on device
         mask = valid.float()
         top5 = heads.to_target_ids(top5)
@@ -254,7 +295,7 @@ def _head_chunk(heads: DraftHeads, k: int, s: torch.Tensor, w: torch.Tensor, tea
             mask.sum(), kl, ce,
             ((top5[:, :1] == greedy).any(-1) * mask).sum(), ((top5 == greedy).any(-1) * mask).sum(),
             ((top5[:, :1] == data).any(-1) * mask).sum(), ((top5 == data).any(-1) * mask).sum(),
-            (~(target_idx >= 0) * mask).sum(),
+            (~(target_idx >= 0) * mask).sum(), tv, conf_err,
         ]).float()
     return head_loss
 
@@ -287,13 +328,14 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
     weights = [heads.scoring_weight(k, lm_head) for k in range(K)]
-    buffers = grad_buffers(weights)
+    extra = heads.extra_scoring_weight()
+    buffers = grad_buffers(weights + [extra] * (extra is not None))
     for k in range(K):
         for a in range(0, N, step):
             b = min(a + step, N)
             at = teacher_at[k, :, a:b]  # [B, c]
             teacher_logp = None
-            if cfg.distill_weight > 0:
+            if needs_teacher(heads, cfg):
                 hk = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))
                 teacher = teacher_logits(lm_head, hk, teacher_w, teacher_b)
                 if transform is not None and not transform.identity:
@@ -304,8 +346,8 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
                                       teacher_logp, target_ids[k, :, a:b].reshape(-1),
                                       target_idx[k, :, a:b].reshape(-1), valid[k, :, a:b].reshape(-1),
                                       pos_weight[k, :, a:b].reshape(-1), greedy.gather(1, at).reshape(-1), cfg,
-                                      transform, stats, buffers.get(id(weights[k])))
-    return hand_over(loss, weights, buffers), stats
+                                      transform, stats, buffers)
+    return hand_over(loss, weights + [extra] * (extra is not None), buffers), stats
 
 
 class HeadsObjective(nn.Module):
@@ -354,15 +396,16 @@ def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
     out: dict[str, float] = {}
     total = 0.0
     for k in range(K):
-        kl, ce = float(s[k, COL["kl"]] / count[k]), float(s[k, COL["ce"]] / count[k])
-        head_loss = cfg.distill_weight * kl + cfg.ce_weight * ce
+        kl, ce, tv = (float(s[k, COL[c]] / count[k]) for c in ("kl", "ce", "tv"))
+        head_loss = cfg.distill_weight * kl + cfg.ce_weight * ce + cfg.tv_weight * tv
         total += cfg.decay ** k * head_loss
         name = f"head{k + 1}"
         out[f"{name}/loss"] = head_loss
-        if cfg.distill_weight > 0:
-            out[f"{name}/kl"] = kl
-        if cfg.ce_weight > 0:
-            out[f"{name}/ce"] = ce
+        for col, weight in (("kl", cfg.distill_weight), ("ce", cfg.ce_weight), ("tv", cfg.tv_weight)):
+            if weight > 0:
+                out[f"{name}/{col}"] = float(s[k, COL[col]] / count[k])
+        if s[k, COL["conf_err"]] > 0:  # a confidence head's mean |predicted - measured| acceptance rate
+            out[f"{name}/confidence_error"] = float(s[k, COL["conf_err"]] / count[k])
         for col in ("top1_target", "top5_target", "top1_data", "top5_data"):
             out[f"{name}/{col}"] = float(s[k, COL[col]] / count[k])
         if s[k, COL["ce_skipped"]] > 0:
