@@ -85,7 +85,8 @@ def exact(device: str, quick: bool, log) -> list[dict]:
         target = build()
         vocab = target.get_output_embeddings().weight.shape[0]
         g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, vocab - 4, (1, 24), generator=g).to(device) for _ in range(2 if quick else 4)]
+        count = 4 if not quick else 2 if dtype == torch.float64 else 1  # quick: the float64 rows are the check
+        prompts = [torch.randint(0, vocab - 4, (1, 24), generator=g).to(device) for _ in range(count)]
         new = 24 if quick else 48
         with torch.no_grad():
             want = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, do_sample=False,

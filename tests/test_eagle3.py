@@ -91,8 +91,9 @@ def test_training_time_test_states_equal_what_the_drafter_computes_on_the_same_p
                 assert torch.equal(cand[0] // 2, want[k, 0, t].topk(5).indices), (t, k)
 
 
-def _trained_eagle3(model, steps: int = 3, iters: int = 150) -> tuple[DraftHeads, torch.Tensor]:
-    return fitted(model, DraftHeads.for_target(model, "eagle3", steps).double(), iters)
+def _trained_eagle3(model, steps: int = 3, iters: int = 60) -> tuple[DraftHeads, torch.Tensor]:
+    # max tau 2.1 / 2.2 / 2.1 on llama / qwen2 / mistral
+    return fitted(model, DraftHeads.for_target(model, "eagle3", steps).double(), iters, lr=1e-2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

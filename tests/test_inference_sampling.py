@@ -142,6 +142,16 @@ def test_lossless_sampling_with_dflash_heads():
     assert stat < threshold, (stat, threshold)
 
 
+def test_lossless_sampling_with_dspark_heads():
+    """dspark heads: dflash's block, then each node's Markov bias from its own (sampled) parent token; a static tree,
+    so siblings' children differ."""
+    model = small_vocab_model(seed=5)
+    probs = exact_joint(model)
+    counts = empirical_counts(heads_generator(model, "dspark"), 1500, tree="static", tree_budget=5, temperature=1.0)
+    stat, threshold = chi_square(counts, probs)
+    assert stat < threshold, (stat, threshold)
+
+
 def test_lossless_with_temperature_top_p_and_repeated_candidates():
     model = small_vocab_model(seed=1)
     probs = exact_joint(model, temperature=0.7, top_p=0.8)

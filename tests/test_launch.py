@@ -128,7 +128,8 @@ def test_sigterm_to_the_launcher_alone_stops_the_trainer_with_a_checkpoint(ws, t
 def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target(ws, tmp_path):
     """Under DDP the second epoch's shuffle hands each process rows the other one computed: with the cache (on disk in
     output_dir/hidden-cache, shared), that epoch reads every row from it and the target never runs; the heads equal a
-    run without the cache. The run says its 2 processes."""
+    run without the cache (one process taking the same 4 rows a step as 2 x 2: the equal split is
+    test_a_run_resumes_on_another_number_of_processes's). The run says its 2 processes."""
     from runs import max_diff, read_jsonl
 
     args = [str(ws / "base.yaml"), "train.epochs=2", "train.keep_best=last"]
@@ -144,7 +145,8 @@ def test_two_processes_share_the_hidden_cache_so_the_second_epoch_runs_no_target
     assert computed > 0 and first[-1]["train/rows_from_cache"] < computed  # epoch 1: (nearly) every row computed
     assert rows[-1]["train/rows_from_target"] == computed  # epoch 2: not one
     assert rows[-1]["train/rows_from_cache"] - first[-1]["train/rows_from_cache"] >= computed
-    plain = torchrun_train(args, tmp_path / "plain", timeout=120)
+    plain = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "train.batch_size=2", "train.grad_accum=2",
+                            f"output_dir={tmp_path / 'plain'}"], capture_output=True, text=True, env=ENV, timeout=120)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert max_diff(tmp_path / "cached", tmp_path / "plain") <= 1e-6
 

@@ -61,12 +61,30 @@ def one_process(ws: Path, out: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def binary_checkpoint(ws: Path) -> Path:
+    """The tiny target saved as a pytorch_model.bin (no safetensors to read a share of)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    binary = ws / "model-bin"
+    if not binary.exists():
+        shutil.copytree(ws / "model", binary, ignore=shutil.ignore_patterns("*.safetensors"))
+        torch.save(AutoModelForCausalLM.from_pretrained(ws / "model").state_dict(), binary / "pytorch_model.bin")
+    return binary
+
+
+def target_of(ws: Path, config: str) -> list[str]:
+    """The sharded runs' target: FSDP2's from the .bin, ZeRO-3's from safetensors."""
+    return [f"target.model={binary_checkpoint(ws)}"] if config == "fsdp2" else []
+
+
 @pytest.fixture(scope="module", params=list(LAUNCHERS))
 def sharded(ws, request):
     """chained heads, 14 steps, checkpoints at 7 and 14, the hidden-state cache on, the target sharded by each
-    launcher's config."""
+    launcher's config; FSDP2's from a pytorch_model.bin checkpoint (which no process can read a share of: the main
+    process loads it and sends each its share), ZeRO-3's from safetensors (each process reads its own share)."""
     out = ws / f"sharded-{request.param}"
-    proc = launch(ws, out, *COMMON, "train.cache_hidden=true", config=request.param)
+    proc = launch(ws, out, *COMMON, "train.cache_hidden=true", *target_of(ws, request.param), config=request.param)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return request.param, out, proc
 
@@ -88,12 +106,17 @@ def test_each_process_holds_half_of_every_decoder_layer(sharded):
     assert row["target/bytes_here"] == pytest.approx(
         row["target/bytes_whole"] - row["target/bytes_layers_whole"] + row["target/bytes_layers_here"], rel=1e-6)
     assert f"target sharded over 2 processes ({LAUNCHERS[config]}, one unit per decoder layer)" in proc.stdout
-    assert "target: each process reads its own share of the checkpoint's files" in proc.stdout  # none holds it all
+    if config == "fsdp2":  # a .bin checkpoint: read whole on the main process, a share sent to each
+        assert "the main process loads it and sends each process its share" in proc.stdout
+    else:
+        assert "target: each process reads its own share of the checkpoint's files" in proc.stdout  # none holds it all
     assert "host memory while loading the target: peak " in proc.stdout  # each process's, as it loaded
     assert len(row["target/host_peak_bytes_by_process"]) == 2 and min(row["target/host_peak_bytes_by_process"]) > 0
 
 
 def test_sharded_target_trains_the_heads_a_single_process_trains(sharded, one_chained):
+    """The heads of a sharded run (FSDP2's target loaded from a .bin on the main process, ZeRO-3's read a share at a
+    time) equal a single process's."""
     _, out, _ = sharded
     assert max_diff(one_chained, out) <= 1e-5
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
@@ -120,27 +143,11 @@ def test_eagle3_heads_read_the_sharded_layers(ws, config, processes, flags):
     assert max_diff(one, out) <= 1e-5
 
 
-def test_a_checkpoint_that_cannot_be_read_a_share_at_a_time_loads_on_the_main_process(ws, one_chained):
-    """A pytorch_model.bin checkpoint (no safetensors to slice): FSDP2's main process loads it and sends each process
-    its share, said in one line, and the heads are those of one process."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    binary = ws / "model-bin"
-    shutil.copytree(ws / "model", binary, ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.save(AutoModelForCausalLM.from_pretrained(ws / "model").state_dict(), binary / "pytorch_model.bin")
-    out = ws / "sharded-bin"
-    proc = launch(ws, out, *COMMON, f"target.model={binary}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "the main process loads it and sends each process its share" in proc.stdout
-    assert max_diff(one_chained, out) <= 1e-5
-
-
 def test_resume_under_sharding_ends_where_the_uninterrupted_run_ends(ws, sharded):
     config, out, _ = sharded
     resumed = ws / f"sharded-resumed-{config}"
     shutil.copytree(out / "checkpoints" / "step-7", resumed / "checkpoints" / "step-7")
-    proc = launch(ws, resumed, *COMMON, "train.cache_hidden=true", config=config)
+    proc = launch(ws, resumed, *COMMON, "train.cache_hidden=true", *target_of(ws, config), config=config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume" in proc.stdout and "step 7" in proc.stdout
     assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r] == list(range(8, 15))
