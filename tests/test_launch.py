@@ -81,24 +81,13 @@ def test_a_process_other_than_the_first_leaves_a_shared_error_to_the_first(ws, t
     assert waits == [] and capsys.readouterr().err.splitlines() == ["error: train.lr must be > 0, got -1.0"]
 
 
-def test_processes_are_said_and_a_cpu_launch_asking_for_two_is_warned(ws, tmp_path):
-    """accelerate on CPUs starts one process where two are asked: said, and warned how to get two (the 2-process line
-    of a torchrun run is asserted on the hidden-cache test's run, a launch saved)."""
-    proc = subprocess.run(accelerate("--num_processes", "2", str(ROOT / "train.py"), str(ws / "base.yaml"),
-                                     "train.max_steps=2", f"output_dir={tmp_path / 'out'}"),
-                          capture_output=True, text=True, env=ENV, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "processes: 1 (NO, backend none, device cpu)" in proc.stdout
-    assert ("warning: accelerate launch was asked for 2 processes but started 1: on CPUs it starts several only "
-            "through mpirun; use torchrun --nproc_per_node 2") in proc.stdout
-    assert json.loads((tmp_path / "out" / "exit_status.json").read_text())["code"] == 0
-
-
 def test_sigterm_to_the_launcher_alone_stops_the_trainer_with_a_checkpoint(ws, tmp_path):
     """The launcher gets SIGTERM and dies (143); the trainer, told by the kernel that its parent died, saves a
-    checkpoint and stops with 75 instead of running on as an orphan; `resume: auto` then continues from it."""
+    checkpoint and stops with 75 instead of running on as an orphan; `resume: auto` then continues from it. Asked for
+    2 processes, accelerate on CPUs starts one: said, and warned how to get two (the 2-process line of a torchrun run
+    is asserted on the hidden-cache test's run)."""
     out = tmp_path / "out"
-    launcher = subprocess.Popen(accelerate("--num_processes", "1", str(ROOT / "train.py"), str(ws / "base.yaml"),
+    launcher = subprocess.Popen(accelerate("--num_processes", "2", str(ROOT / "train.py"), str(ws / "base.yaml"),
                                            "train.max_steps=1000000", "train.save_every=0", f"output_dir={out}"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                                 start_new_session=True)
@@ -112,8 +101,11 @@ def test_sigterm_to_the_launcher_alone_stops_the_trainer_with_a_checkpoint(ws, t
                                                   text=True).stdout.split()]
         assert len(trainer) == 1
         launcher.send_signal(signal.SIGTERM)  # the launcher alone, as a scheduler that signals one PID does
-        launcher.communicate(timeout=30)
+        said, _ = launcher.communicate(timeout=30)
         assert launcher.returncode != 0
+        assert "processes: 1 (NO, backend none, device cpu)" in said
+        assert ("warning: accelerate launch was asked for 2 processes but started 1: on CPUs it starts several only "
+                "through mpirun; use torchrun --nproc_per_node 2") in said
         deadline = time.monotonic() + 60
         while Path(f"/proc/{trainer[0]}").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -187,13 +179,21 @@ def test_a_run_resumes_on_another_number_of_processes(ws, tmp_path, first, then,
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     done = run(first, whole)
     assert done.returncode == 0, done.stderr[-3000:]
+    # one process group (not independent runs): each process saved its own random state
+    assert sorted(p.name for p in (whole / "checkpoints" / "step-6").glob("random_states_*")) == \
+        [f"random_states_{i}.pkl" for i in range(first)]
     shutil.copytree(whole / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
     again = run(then, resumed)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (f"resume: the checkpoint was written by {first} process{'es' if first > 1 else ''}, this run has {then}: "
             "the same rows a step, in the same order, split as before") in again.stdout
-    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r] == list(range(7, 13))
+    steps = {r["step"]: r for r in read_jsonl(resumed / "metrics.jsonl") if "train/loss" in r}
+    assert list(steps) == list(range(7, 13))
     assert max_diff(whole, resumed) <= 1e-6
+    for r in read_jsonl(whole / "metrics.jsonl"):  # the same steps: the same loss and tokens, however split
+        if r.get("step", 0) > 6 and "train/loss" in r:
+            assert r["train/loss"] == pytest.approx(steps[r["step"]]["train/loss"], rel=1e-4)
+            assert r["train/tokens"] == steps[r["step"]]["train/tokens"]
     if first == 2:  # the recipe unchanged on 1 process: allowed, and told how to keep the very same steps
         plain = tmp_path / "plain"
         shutil.copytree(whole / "checkpoints" / "step-6", plain / "checkpoints" / "step-6")
