@@ -21,10 +21,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models on a 2-core machine: one intra-op thread per process is several times faster than two
-    contending ones (tiny matmuls ran up to ~100x slower), and subprocess tests get a core of their own."""
+    contending ones (tiny matmuls ran up to ~100x slower), and subprocess tests get a core of their own. The processes
+    the tests start take one thread too (OMP_NUM_THREADS): a second thread's spinning cost the CPU check of
+    scripts/gpu_check.py a third more CPU time for the same wall time."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
     torch.set_num_threads(before)
 
 
