@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# eagle3 and dflash against chained and parallel heads: the same distilled data, the same wall-clock of training, then
+# eagle3, dflash and dspark against chained and parallel heads: the same distilled data, the same wall-clock of training, then
 # the benchmark on MT-Bench's first turns (LIMIT of them; 0: all 80) at the auto budget and at 8 nodes (docs/results.md,
 # "Head kinds", "The dflash kind").
 #
@@ -16,11 +16,14 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/kinds}
 STEPS_CHAINED=${STEPS_CHAINED:-760} STEPS_PARALLEL=${STEPS_PARALLEL:-760} STEPS_EAGLE3=${STEPS_EAGLE3:-220}
 STEPS_DFLASH=${STEPS_DFLASH:-260}  # 0.67 s a step on 2 Xeon (AMX) cores, where eagle3's takes 0.78 and chained 0.23
-KINDS=${KINDS:-chained parallel eagle3 dflash} LIMIT=${LIMIT:-0}
+STEPS_DSPARK=${STEPS_DSPARK:-$STEPS_DFLASH}  # set it from scripts/profile_train_step.py for equal minutes
+KINDS=${KINDS:-chained parallel eagle3 dflash dspark} LIMIT=${LIMIT:-0}
 NORMS=${NORMS:-[]}
 PROMPTS=${PROMPTS:-256}  # default-pool prompts distilled (SmolLM2's replies, up to 192 tokens each)
 DTYPE=${DTYPE:-bfloat16}  # the target's dtype in distillation and training: float32 on a CPU without AVX512-BF16/AMX
 DFLASH=${DFLASH:-heads.num_heads=7 heads.layers_per_head=2}  # a block of 8, two decoder layers
+# the same block plus the Markov head (rank 256) and the confidence head, on DSpark's objective (the recipe's KL off)
+DSPARK=${DSPARK:-"$DFLASH loss.distill_weight=0 loss.ce_weight=0.1 loss.tv_weight=0.9"}
 MTBENCH="$DATA/mt_bench_question.jsonl"
 T=$(python -m medusa_train.target.prepare)
 mkdir -p "$WORK"
@@ -44,6 +47,7 @@ for kind in $KINDS; do
         parallel) train parallel "$STEPS_PARALLEL"; heads+=(--heads "$WORK/heads-parallel") ;;
         eagle3) train eagle3 "$STEPS_EAGLE3" "heads.norms=$NORMS"; heads+=(--heads "$WORK/heads-eagle3") ;;
         dflash) train dflash "$STEPS_DFLASH" "$DFLASH"; heads+=(--heads "$WORK/heads-dflash") ;;
+        dspark) train dspark "$STEPS_DSPARK" "$DSPARK"; heads+=(--heads "$WORK/heads-dspark") ;;
     esac
     methods+=",$kind"
 done

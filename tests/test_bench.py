@@ -36,6 +36,7 @@ def setup(tmp_path_factory):
     random_heads(model, "parallel", 2).save_pretrained(root / "parallel")
     random_heads(model, "eagle3", 2).save_pretrained(root / "eagle3")
     random_heads(model, "dflash", 3).save_pretrained(root / "dflash")
+    random_heads(model, "dspark", 4).save_pretrained(root / "dspark")
     (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS))
     replies = [{"id": i, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]}
                for i, t in enumerate(["hello hello world", "the sea is blue and the sky is blue"])]
@@ -46,7 +47,7 @@ def setup(tmp_path_factory):
 def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     out, png = setup / "results.json", setup / "bench.png"
     rc = bench.main(["--target", str(setup / "target"), "--heads", str(setup / "chained"), str(setup / "parallel"),
-                     "--heads", str(setup / "eagle3"), "--heads", str(setup / "dflash"),  # the flag repeats
+                     "--heads", str(setup / "eagle3"), "--heads", str(setup / "dflash"), str(setup / "dspark"),
                      "--bigram-data", str(setup / "distilled.jsonl"),
                      "--prompts", str(setup / "prompts.jsonl"), "--max-new-tokens", "12", "--tree-budget", "4",
                      "--repeats", "1", "--out", str(out), "--plot", str(png)])
@@ -60,7 +61,7 @@ def test_cli_runs_every_method_and_writes_the_schema(setup, capsys):
     # proposal + the bonus): pld 10 lookup tokens, ngram 5 levels, bigram 4, the heads 3, the hybrid's lookup 4
     deepest = {"ar": 0, "pld": 10, "ngram": 5, "bigram": 4, "parallel": 3, "parallel+ngram": 4, "chained": 3,
                "chained+ngram": 4,
-               "eagle3": 2, "eagle3+ngram": 4, "dflash": 3, "dflash+ngram": 4}
+               "eagle3": 2, "eagle3+ngram": 4, "dflash": 3, "dflash+ngram": 4, "dspark": 3, "dspark+ngram": 4}
     ar_rate = res["methods"]["ar"]["tokens_per_s"]
     for name, m in res["methods"].items():
         assert set(m) == {"tokens_per_s", "tau", "speedup", "exact_match"}

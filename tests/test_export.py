@@ -306,7 +306,8 @@ def test_bad_input_exits_2_with_one_line(eagle3_dir, tmp_path, capsys):
     # every suggestion leads somewhere that works: a format these heads fit, or the recipe keys of heads that export
     cases = [
         ([str(tmp_path / "parallel"), str(tmp_path / "o1"), "--format", "speculators"],
-         r"the speculators format holds heads trained with heads.kind=eagle3\|dflash, but .* holds parallel heads: "
+         r"the speculators format holds heads trained with heads.kind=eagle3\|dflash\|dspark, but .* holds parallel "
+         r"heads: "
          r"export them with --format medusa$"),
         ([str(root / "heads"), str(tmp_path / "o2"), "--format", "medusa"],
          "holds eagle3 heads: export them with --format speculators or eagle3$"),
