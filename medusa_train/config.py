@@ -99,8 +99,8 @@ class CommonHeadsConfig:
     `dflash`: DFlash's block drafter (the target's layers fused as context, `layers_per_head` small decoder layers over
     a block of the decided token and num_heads mask tokens, non-causal: one forward drafts every depth), which vLLM
     and SGLang serve too. `dspark`: DSpark, dflash's block plus a Markov head over the tokens drafted before each slot
-    and a confidence head, which vLLM serves. Each kind's module (medusa_train/kinds/) says what it takes: the keys below the common ones
-    are each kind's own."""
+    and a confidence head, which vLLM serves. Each kind's module (medusa_train/kinds/) says what it takes: the keys
+    below the common ones are each kind's own."""
     num_heads: int = 4
     """K: head k predicts token x_{t+1+k}. dflash: the mask tokens of its block, whose size (speculators'
     `block_size`) is num_heads + 1: block_size 8 is num_heads 7."""

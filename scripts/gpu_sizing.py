@@ -31,7 +31,8 @@ SHAPES = {
     "70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                 num_attention_heads=64, num_key_value_heads=8),
 }
-STEPS = {"chained": 4, "parallel": 4, "eagle3": 7, "dflash": 8, "dspark": 8}  # the recipes' heads (eagle3: EAGLE-3's 7 steps)
+# the recipes' heads (eagle3: EAGLE-3's 7 steps)
+STEPS = {"chained": 4, "parallel": 4, "eagle3": 7, "dflash": 8, "dspark": 8}
 GIB = 2 ** 30
 OVERHEAD_GIB = 1.5
 USABLE = 0.92

@@ -112,7 +112,8 @@ def test_dspark_heads_train_with_their_own_objective_and_resume(ws):
 def test_dspark_refuses_what_it_cannot_take_in_one_line(ws):
     """A rank of 0 (that is dflash), dspark's keys on another kind, a negative weight of the new loss term."""
     for overrides, says in ((["heads.markov_rank=0"], "heads.markov_rank must be >= 1"),
-                            (["heads.kind=dflash", "heads.markov_rank=8"], "heads.markov_rank is for heads.kind=dspark"),
+                            (["heads.kind=dflash", "heads.markov_rank=8"],
+                             "heads.markov_rank is for heads.kind=dspark"),
                             (["loss.tv_weight=-1"], "loss.tv_weight must be >= 0")):
         with pytest.raises(ConfigError, match=says):
             load_config(ws / "base.yaml", [f"output_dir={ws / 'bad'}", *overrides], world_size=1)
