@@ -349,9 +349,13 @@ class DFlashHeads(SpeculatorHeads):
     def __init__(self, spec: HeadsSpec):
         super().__init__(spec)
         if not spec.aux_layers or not spec.layer_config or spec.mask_token_id is None or spec.mask_token_id < 0:
-            raise ValueError("dflash heads need aux_layers, layer_config and mask_token_id in their config.json")
-        self.dflash = DFlashDraft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, spec.num_heads,
-                                  spec.mask_token_id)
+            raise ValueError(f"{self.kind} heads need aux_layers, layer_config and mask_token_id in their config.json")
+        self.dflash = self.make_draft(spec)
+
+    def make_draft(self, spec: HeadsSpec) -> DFlashDraft:
+        """The block drafter's module (a kind built on dflash's block adds its own parts here)."""
+        return DFlashDraft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, spec.num_heads,
+                           spec.mask_token_id)
 
     @property
     def draft_model(self) -> DFlashDraft:

@@ -12,7 +12,8 @@ vocabulary into r dimensions (`heads.markov_rank`) and markov_w2 [V', r] a low-r
 depth's candidates depend on their parent's token (the engine drafts per node, as chained heads), at the cost of one
 r-wide lookup and an r x V' product per node. The confidence head predicts each drafted token's chance of
 acceptance, sigmoid(proj([s_i; markov_w1[y_{i-1}]])), trained to the rate sampling accepts it, sum_v min(p_v, q_v)
-(`loss.confidence_weight`); vLLM schedules each request's verify length by it, our engine ranks the tree's nodes by it.
+(`loss.confidence_weight`); vLLM schedules each request's verify length by it (our engine does not read it yet: its
+calibrated trim learns each node's acceptance online instead).
 
 Training (teacher-forced): y_{i-1} is the data token x_{t+i}. The states a step scores carry the Markov embedding
 past the hidden size, [s_i; markov_w1[x_{t+i}]], which `extra_scoring_weight` (markov_w2) scores beside the LM head,
@@ -35,7 +36,7 @@ from torch import nn
 
 from ..base.errors import ConfigError
 from .dflash import DFlashDraft, DFlashDrafting, DFlashHeads, DFlashOptions, speculators_config
-from .heads import DraftHeads, Export, ExportSource, register
+from .heads import Export, ExportSource, register
 from .speculators import speculators_source_tensors
 
 DEFAULT_RANK = 256  # speculators' and DeepSpec's markov_rank
@@ -104,12 +105,9 @@ class DSparkHeads(DFlashHeads):
     loss_defaults = {"distill_weight": 0.0, "tv_weight": 0.9, "ce_weight": 0.1}
     exports = {"speculators": Export("vLLM", speculators_files)}
 
-    def __init__(self, spec):
-        DraftHeads.__init__(self, spec)
-        if not spec.aux_layers or not spec.layer_config or spec.mask_token_id is None or spec.mask_token_id < 0:
-            raise ValueError("dspark heads need aux_layers, layer_config and mask_token_id in their config.json")
-        self.dflash = DSparkDraft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, spec.num_heads,
-                                  spec.mask_token_id, spec.vocab_size, spec.markov_rank, spec.confidence_head)
+    def make_draft(self, spec) -> DSparkDraft:
+        return DSparkDraft(spec.layer_config, len(spec.aux_layers), spec.scored_vocab, spec.num_heads,
+                           spec.mask_token_id, spec.vocab_size, spec.markov_rank, spec.confidence_head)
 
     @classmethod
     def check_options(cls, options: DSparkOptions) -> None:

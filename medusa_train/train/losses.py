@@ -127,7 +127,8 @@ class FusedHeadLoss(torch.autograd.Function):
             p = teacher_logp.exp()
             if tv_w > 0 or rates:  # (an [n, V] temporary: only when asked)
                 tv = 1.0 - torch.minimum(p, q).sum(-1)
-                accept = (1.0 - tv) if rates else accept
+                if rates:
+                    accept = 1.0 - tv
             if tv_w > 0:  # d TV / d z = q (s - <s, q>) / 2 with s = sign(q - p)
                 sign = torch.sign(q - p)
                 sign.sub_((sign * q).sum(-1, keepdim=True)).mul_(q).mul_((0.5 * tv_w * pos_weight).unsqueeze(-1))
@@ -239,8 +240,8 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
     step = chunk_positions(cfg.chunk_size, B, heads.spec.scored_vocab, states.device)
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
-    extra = heads.extra_scoring_weight()
-    buffers = grad_buffers(weights + [extra] * (extra is not None))
+    scored = scored_weights(heads, weights)
+    buffers = grad_buffers(scored)
     for a in range(0, T, step):
         b = min(a + step, T)
         c = b - a
@@ -258,7 +259,13 @@ def chunked_head_losses(heads: DraftHeads, states: torch.Tensor, h: torch.Tensor
                                       target_ids[k, :, a:b].reshape(-1), target_idx[k, :, a:b].reshape(-1),
                                       valid[k, :, a:b].reshape(-1), pos_weight[k, :, a:b].reshape(-1),
                                       teacher_top[:, k:k + c].reshape(-1), cfg, transform, stats, buffers)
-    return hand_over(loss, weights + [extra] * (extra is not None), buffers), stats
+    return hand_over(loss, scored, buffers), stats
+
+
+def scored_weights(heads: DraftHeads, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The heads' scoring weights, and the kind's extra scoring matrix if it has one (each may take a buffer)."""
+    extra = heads.extra_scoring_weight()
+    return weights if extra is None else [*weights, extra]
 
 
 def needs_teacher(heads: DraftHeads, cfg: LossConfig) -> bool:
@@ -328,8 +335,8 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
     loss = states.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(K, len(STATS), device=states.device)
     weights = [heads.scoring_weight(k, lm_head) for k in range(K)]
-    extra = heads.extra_scoring_weight()
-    buffers = grad_buffers(weights + [extra] * (extra is not None))
+    scored = scored_weights(heads, weights)
+    buffers = grad_buffers(scored)
     for k in range(K):
         for a in range(0, N, step):
             b = min(a + step, N)
@@ -347,7 +354,7 @@ def anchored_head_losses(heads: DraftHeads, states: torch.Tensor, anchors: torch
                                       target_idx[k, :, a:b].reshape(-1), valid[k, :, a:b].reshape(-1),
                                       pos_weight[k, :, a:b].reshape(-1), greedy.gather(1, at).reshape(-1), cfg,
                                       transform, stats, buffers)
-    return hand_over(loss, weights + [extra] * (extra is not None), buffers), stats
+    return hand_over(loss, scored, buffers), stats
 
 
 class HeadsObjective(nn.Module):
@@ -396,14 +403,13 @@ def summarize(stats: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
     out: dict[str, float] = {}
     total = 0.0
     for k in range(K):
-        kl, ce, tv = (float(s[k, COL[c]] / count[k]) for c in ("kl", "ce", "tv"))
-        head_loss = cfg.distill_weight * kl + cfg.ce_weight * ce + cfg.tv_weight * tv
+        terms = {c: (w, float(s[k, COL[c]] / count[k]))
+                 for c, w in (("kl", cfg.distill_weight), ("ce", cfg.ce_weight), ("tv", cfg.tv_weight))}
+        head_loss = sum(w * v for w, v in terms.values())
         total += cfg.decay ** k * head_loss
         name = f"head{k + 1}"
         out[f"{name}/loss"] = head_loss
-        for col, weight in (("kl", cfg.distill_weight), ("ce", cfg.ce_weight), ("tv", cfg.tv_weight)):
-            if weight > 0:
-                out[f"{name}/{col}"] = float(s[k, COL[col]] / count[k])
+        out |= {f"{name}/{c}": v for c, (w, v) in terms.items() if w > 0}
         if s[k, COL["conf_err"]] > 0:  # a confidence head's mean |predicted - measured| acceptance rate
             out[f"{name}/confidence_error"] = float(s[k, COL["conf_err"]] / count[k])
         for col in ("top1_target", "top5_target", "top1_data", "top5_data"):
