@@ -110,10 +110,13 @@ class DraftPlanner:
     # learned, and a prior that undersells the heads (or the lookup) would otherwise keep them from drafting for good
     EXPLORE = 16
 
-    def __init__(self, k: int, use_lookup: bool = True, lengths: str = "auto", clock=time.perf_counter):
+    def __init__(self, k: int, use_lookup: bool = True, lengths: str = "auto", clock=time.perf_counter,
+                 heads_kind: int = SCORED):
+        """`heads_kind`: the calibrator's kind of the heads' tokens (CONFIDENT: their numbers are a confidence
+        head's, not the heads' probabilities)."""
         if lengths not in LENGTHS:
             raise ValueError(f'draft lengths must be "auto" or "fixed", got {lengths!r}')
-        self.use_lookup, self.auto = use_lookup, lengths == "auto"
+        self.use_lookup, self.auto, self.heads_kind = use_lookup, lengths == "auto", heads_kind
         self.calibrator = AcceptanceCalibrator(max_depth=max(k, 1))
         arms = ("both", "lookup") if use_lookup else ("heads", "plain")
         self.choice = StepChoice(arms if self.auto else arms[:1])
@@ -173,7 +176,7 @@ class DraftPlanner:
             tokens, q = heads
             m = min(len(cont), len(tokens))
             agree = np.cumprod(cont[:m] == tokens[:m]).astype(bool)  # the chains agree up to here
-            kind = np.full(len(tokens), SCORED)
+            kind = np.full(len(tokens), self.heads_kind)
             kind[:m][agree] = BOTH
             chains.append((tokens, self._cells(kind, q, n)))
             in_heads = bool(m and agree[0])

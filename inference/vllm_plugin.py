@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.vllm_drafts import LENGTHS, DraftPlanner, lookup
+from inference.vllm_dspark import VLLM_METHOD, _sample_sequential, as_dflash, sampled_lists, schedule_of, v1_runs
 
 METHOD = "medusa_train"
 # what the runner patch reads of vLLM's `propose_draft_token_ids` (the same in 0.32 and 0.33)
@@ -270,7 +271,14 @@ def _propose_with_hidden_states(original):
     def propose_draft_token_ids(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, HeadsProposer):
-            return original(self, *args, **kwargs)
+            schedule = schedule_of(self)
+            drafts = original(self, *args, **kwargs)
+            if schedule is None:
+                return drafts
+            a = signature.bind(self, *args, **kwargs).arguments
+            sampled = a["sampled_token_ids"]
+            return schedule.plan(self, a["scheduler_output"], sampled_lists(self, sampled), drafts,
+                                 drafter.dspark_confidence, pending=isinstance(sampled, torch.Tensor))
         a = signature.bind(self, *args, **kwargs).arguments
         sampled, hidden = a["sampled_token_ids"], a["sample_hidden_states"]
         n = getattr(a["scheduler_output"], "num_spec_tokens_to_schedule", 0) or drafter.num_speculative_tokens
@@ -301,7 +309,10 @@ def _speculative_config_of_ours(original):
         cfg = self.speculative_config
         if isinstance(cfg, dict) and cfg.get("method") == METHOD:
             self.speculative_config = _translate(cfg, target_model_config)
-        return original(self, target_model_config, target_parallel_config)
+        config = original(self, target_model_config, target_parallel_config)
+        if config is not None and config.method == VLLM_METHOD and v1_runs():
+            as_dflash(config)  # vLLM's V1 runner drafts DSpark through its DFlash proposer (inference.vllm_dspark)
+        return config
 
     create_speculative_config._medusa_train = True
     return create_speculative_config
@@ -316,8 +327,10 @@ def _patch(owner: Any, name: str, wrap) -> None:
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point: make `"method": "medusa_train"` serve our heads in this process."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker import gpu_model_runner
 
     _patch(EngineArgs, "create_speculative_config", _speculative_config_of_ours)
     _patch(gpu_model_runner, "create_custom_proposer", _create_proposer)
     _patch(gpu_model_runner.GPUModelRunner, "propose_draft_token_ids", _propose_with_hidden_states)
+    _patch(DFlashProposer, "_sample_draft_tokens", _sample_sequential)

@@ -66,6 +66,52 @@ def test_dspark_greedy_output_is_the_targets_on_every_tree_and_with_lookup():
     assert max(taus) > 1.5, taus  # drafts were accepted: the checks crossed accepted paths
 
 
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_the_engine_reads_the_confidence_head_for_each_parents_best_child(tree):
+    """A trimmed step's tree carries each node's confidence, the head's sigmoid(proj([s_k; markov_w1[parent's
+    token]])) as the training forward computes it after the node's parent's path; the calibrated trim keys each
+    parent's best child by its confidence bin (kind "confident", whose prior is the bin's centre) and the other
+    children by their own probability, as before."""
+    from test_drafting import draft_context, drafting_model, path_nodes
+
+    from inference.engine.calibrate import CONFIDENT, SCORED, AcceptanceCalibrator
+
+    model = drafting_model("llama", seed=1)
+    heads = DraftHeads.for_target(model, "dspark", 3, markov_rank=8).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    committed = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    drafter = HeadsDrafter(heads.eval(), model)
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    ctx = draft_context(model, drafter, committed, paths if tree == "static" else tree, len(paths))
+    assert drafter.draft(ctx).confidence is None  # untrimmed (a GPU's step): not computed
+    ctx.trimmed = True
+    got = drafter.draft(ctx)
+    assert torch.isnan(got.confidence[0])
+    for i in range(1, got.size):
+        path = [int(got.tokens[j]) for j in path_nodes(got, i)[1:-1]]
+        seq = torch.tensor([committed + path])
+        with torch.no_grad():
+            states = heads(target_hidden(model, seq, torch.ones_like(seq), heads.target_layers), seq,
+                           model.get_input_embeddings())
+            want = torch.sigmoid(heads.confidence(len(path), states[len(path), 0, len(committed) - 2]))
+        assert float(got.confidence[i].detach()) == pytest.approx(float(want), rel=1e-6), i
+    calibrator = AcceptanceCalibrator(max_depth=3)
+    kind, rest = divmod(calibrator.keys(got).numpy(), calibrator.max_depth * calibrator.bins)
+    cell = rest % calibrator.bins
+    logq = (got.scores - got.scores[got.parents]).detach().numpy()
+    for i in range(1, got.size):
+        siblings = [j for j in range(1, got.size) if got.parents[j] == got.parents[i]]
+        best = max(siblings, key=lambda j: logq[j])
+        assert kind[i] == (CONFIDENT if i == best else SCORED), i
+        if i == best:
+            assert cell[i] == min(int(float(got.confidence[i].detach()) * calibrator.bins), calibrator.bins - 1)
+            prior = float(calibrator.probabilities(calibrator.keys(got)[i:i + 1]))
+            assert prior == pytest.approx(max((cell[i] + 0.5) / calibrator.bins, 1e-3))
+
+
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark-train")

@@ -38,7 +38,7 @@ ROOMS = {
                  "medusa_train.train.optim", "medusa_train.train.processes", "medusa_train.train.divergence",
                  "medusa_train.train.tau", "medusa_train.train.best", "medusa_train.target.sharding",
                  "medusa_train.train.run", "medusa_train.train.trainer"],
-    "serving": ["inference.vllm_drafts", "inference.vllm_plugin"],
+    "serving": ["inference.vllm_drafts", "inference.vllm_dspark", "inference.vllm_plugin"],
     "commands": ["medusa_train.train.cli", "medusa_train.data.distill", "medusa_train.export",
                  "medusa_train.target.prepare", "medusa_train.demo", "medusa_train.target.vllm_states",
                  "medusa_train.target.vllm_extract", "medusa_train.target.vllm_cpu_connector", "inference.generate"],

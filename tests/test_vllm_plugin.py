@@ -149,3 +149,33 @@ def test_heads_it_cannot_serve_are_refused_in_one_line(tmp_path):
         assert why is not None and phrase in why and "\n" not in why, (args, why)
     assert heads_refusal(tmp_path / "ok", 64, 260, K)[0] is None
     assert heads_refusal(tmp_path / "ok", 64, 260, None)[0] is None  # vLLM then drafts one token a head
+
+
+def dspark_config(**hf) -> SimpleNamespace:
+    """A speculative config as vLLM resolves `"method": "dspark"` for our export (the keys `as_dflash` reads)."""
+    hf = SimpleNamespace(**({"architectures": ["Qwen3DSparkModel"], "sample_from_anchor": False,
+                            "enable_confidence_head": True} | hf))
+    return SimpleNamespace(method="dspark", draft_sample_method="greedy", enable_adaptive_verification=True,
+                           draft_model_config=SimpleNamespace(hf_config=hf))
+
+
+def test_dspark_is_handed_to_v1s_dflash_proposer_or_refused_in_one_line():
+    """On vLLM's V1 runner our export's DSpark config becomes `dflash` with the DSpark settings kept for the workers
+    (adaptive verification taken over by the plugin); what V1 cannot draft is refused in one line naming the fix; a
+    DSpark of another architecture is left to vLLM."""
+    from inference.vllm_dspark import KEY, as_dflash
+
+    config = dspark_config()
+    as_dflash(config)
+    assert (config.method, config.enable_adaptive_verification) == ("dflash", False)
+    assert getattr(config.draft_model_config.hf_config, KEY) == {"adaptive": True}
+    other = dspark_config(architectures=["DSparkDraftModel"])
+    as_dflash(other)
+    assert other.method == "dspark"
+    refused = {"samples from its anchor": dspark_config(sample_from_anchor=True),
+               "drafts greedily": SimpleNamespace(**(vars(dspark_config()) | {"draft_sample_method": "probabilistic"})),
+               "has none: train one with heads.confidence_head=true": dspark_config(enable_confidence_head=False)}
+    for words, config in refused.items():
+        with pytest.raises(ValueError, match=words) as e:
+            as_dflash(config)
+        assert "\n" not in str(e.value) and config.method == "dspark"

@@ -46,23 +46,28 @@ def record_drafts() -> list[dict]:
 
 
 def record_plans() -> list[dict]:
-    """Every draft our plugin's proposer returned, in this process: the request's tokens when it drafted, and the
-    draft (one entry a request that sampled)."""
+    """Every draft our plugin's proposers returned (chained and parallel heads, DSpark's confidence schedule), in this
+    process: the request's tokens when it drafted, and the draft (one entry a request that sampled)."""
+    from inference.vllm_dspark import ConfidenceSchedule
     from inference.vllm_plugin import HeadsProposer
 
     log: list[dict] = []
-    real = HeadsProposer.plan
 
-    def plan(self, runner, scheduler_output, sampled, *args, **kwargs):
-        out = real(self, runner, scheduler_output, sampled, *args, **kwargs)
-        drafts = out.tolist() if hasattr(out, "tolist") else out
-        ends = runner.input_batch.num_tokens_no_spec
-        for i, tokens in enumerate(sampled):
-            if tokens:
-                log.append({"context": runner.input_batch.token_ids_cpu[i, :ends[i]].tolist(), "draft": drafts[i]})
-        return out
+    def recorded(real):
+        def plan(self, runner, scheduler_output, sampled, *args, **kwargs):
+            out = real(self, runner, scheduler_output, sampled, *args, **kwargs)
+            drafts = out.tolist() if hasattr(out, "tolist") else out
+            ends = runner.input_batch.num_tokens_no_spec
+            for i, tokens in enumerate(sampled):
+                if tokens:  # (a schedule called before the runner's bookkeeping: the new tokens not yet in the batch's)
+                    known = runner.input_batch.token_ids_cpu[i, :ends[i]].tolist()
+                    log.append({"context": known + (list(tokens) if getattr(self, "pending", False) else []),
+                                "draft": drafts[i]})
+            return out
+        return plan
 
-    HeadsProposer.plan = plan
+    HeadsProposer.plan = recorded(HeadsProposer.plan)
+    ConfidenceSchedule.plan = recorded(ConfidenceSchedule.plan)
     return log
 
 

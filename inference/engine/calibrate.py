@@ -12,7 +12,9 @@ counted per (kind, depth, bin), where the kind and bin are
 - scored (the drafter's conditional probability q of the node given its parent): bin of q, B equal bins;
 - lookup (an n-gram lookup proposed it, the drafter did not): the matched n-gram's length;
 - both (the drafter scored it and the lookup proposed it too): bin of q;
-- unscored (a drafter that gives no probabilities): one bin per depth.
+- unscored (a drafter that gives no probabilities): one bin per depth;
+- confident (a confidence head's chance c that the parent's best child is accepted, dspark's, for that child where the
+  lookup did not propose it too): bin of c. Its siblings stay scored: the head speaks for the best child only.
 A node's path probability is the product of its ancestors' calibrated conditional probabilities (all <= 1,
 so a child never outranks its parent and the kept nodes form a tree). Each cell's estimate starts from a
 prior: at depth 1 a fixed guess, deeper the estimate one depth up times the guess's fade with depth, so
@@ -38,8 +40,8 @@ import torch
 
 from inference.engine.tree import Tree, best_nodes, subtree
 
-KINDS = ("scored", "lookup", "both", "unscored")
-SCORED, LOOKUP, BOTH, UNSCORED = range(len(KINDS))
+KINDS = ("scored", "lookup", "both", "unscored", "confident")
+SCORED, LOOKUP, BOTH, UNSCORED, CONFIDENT = range(len(KINDS))
 
 
 class AcceptanceCalibrator:
@@ -68,7 +70,8 @@ class AcceptanceCalibrator:
 
     def _prior(self) -> torch.Tensor:
         """Before any verify: heads' q discounted to 0.7 q (their measured over-confidence), lookup 0.35-0.6 by
-        n-gram length, both combined as independent evidence, all fading with depth."""
+        n-gram length, both combined as independent evidence, all fading with depth; a confidence head's c as it
+        is, at every depth (it was trained on the acceptance rate at each)."""
         b, d = self.bins, self.max_depth
         q = (torch.arange(b, dtype=torch.float64) + 0.5) / b  # bin centres
         fade = 0.85 ** torch.arange(d, dtype=torch.float64)[:, None]  # [D, 1]
@@ -76,7 +79,7 @@ class AcceptanceCalibrator:
         lookup = torch.tensor([0.35, 0.5] + [0.6] * max(b - 2, 0), dtype=torch.float64)[:b] * fade
         both = 1 - (1 - scored) * (1 - 0.35 * fade)
         unscored = (0.3 * fade).expand(d, b)
-        return torch.stack([scored, lookup, both, unscored]).clamp(1e-3, 1 - 1e-3)
+        return torch.stack([scored, lookup, both, unscored, q.expand(d, b)]).clamp(1e-3, 1 - 1e-3)
 
     def keys(self, tree: Tree) -> torch.Tensor:
         """[N] long: the table cell of every node (the root's is never used)."""
@@ -95,6 +98,15 @@ class AcceptanceCalibrator:
         proposed = lookup > 0
         kind = np.where(scored, np.where(proposed, BOTH, SCORED), np.where(proposed, LOOKUP, UNSCORED))
         cell = np.where(kind == LOOKUP, np.clip(lookup, 1, self.bins) - 1, np.where(kind == UNSCORED, 0, q_bin))
+        if tree.confidence is not None and tree.scores is not None:
+            c = tree.confidence.detach().float().cpu().numpy()
+            parents = tree.parents.cpu().numpy()
+            best = np.full(tree.size, -np.inf)  # each parent's best child's log q
+            np.maximum.at(best, parents[1:], np.nan_to_num(logq[1:], nan=-np.inf))
+            confident = (kind == SCORED) & ~np.isnan(c) & (logq >= best[parents])
+            kind = np.where(confident, CONFIDENT, kind)
+            c_bin = np.clip((np.nan_to_num(c) * self.bins).astype(np.int64), 0, self.bins - 1)
+            cell = np.where(confident, c_bin, cell)
         return torch.from_numpy(((kind * self.max_depth + depth) * self.bins + cell).astype(np.int64))
 
     def _estimates(self) -> np.ndarray:

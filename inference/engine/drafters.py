@@ -147,8 +147,19 @@ class TreeDrafter(Drafter):
     def draft(self, ctx: DraftContext) -> Tree:
         _validate_tree(ctx.tree)
         if ctx.tree == "dynamic":
-            return self.draft_dynamic(ctx)
-        return self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
+            tree = self.draft_dynamic(ctx)
+        else:
+            tree = self.draft_static(self.topology(ctx.tree, ctx.budget, ctx.root.device), ctx)
+        if ctx.trimmed:  # the calibrated trim reads a confidence head's numbers where the drafter has one
+            confidence = self.node_confidence(tree)
+            if confidence is not None:
+                tree = replace(tree, confidence=confidence)
+        return tree
+
+    def node_confidence(self, tree: Tree) -> torch.Tensor | None:
+        """[N] each node's chance of acceptance given its parent's, from a confidence head (NaN at the root), or None
+        for drafters without one."""
+        return None
 
     def draft_static(self, topo: TreeTopology, ctx: DraftContext) -> Tree:
         """Fill a fixed shape: node (r_1..r_d) takes the r_d-th candidate proposed after its parent."""
@@ -262,6 +273,9 @@ class HeadsDrafter(TreeDrafter):
 
     def reset(self) -> None:
         self._drafting.reset()
+
+    def node_confidence(self, tree: Tree) -> torch.Tensor | None:
+        return self._drafting.confidence(tree.tokens, tree.parents, tree.depth)
 
     def observe(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self._drafting.observe(hidden, next_tokens)

@@ -41,6 +41,8 @@ class Tree:
     the drafter scores its candidates; NaN for nodes another source added (n-gram lookup grafted on).
     lookup: [N] long or None, for nodes an n-gram lookup proposed the length of the n-gram it matched (0 for
     the others); `inference.engine.calibrate` learns how often each kind of node is accepted.
+    confidence: [N] float or None, a confidence head's chance that the node is accepted given its parent (dspark);
+    NaN for the root and for nodes another source added.
     """
 
     tokens: torch.Tensor
@@ -50,6 +52,7 @@ class Tree:
     max_depth: int
     scores: torch.Tensor | None = None
     lookup: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -176,9 +179,10 @@ def topology_from_paths(paths: Sequence[Sequence[int]], device: torch.device | s
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, max_depth: int,
-                      scores: torch.Tensor | None = None, lookup: torch.Tensor | None = None) -> Tree:
+                      scores: torch.Tensor | None = None, lookup: torch.Tensor | None = None,
+                      confidence: torch.Tensor | None = None) -> Tree:
     """A tree from explicit per-node arrays (nodes must be in topological order)."""
-    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores, lookup)
+    return Tree(tokens, parents, depth, ancestor_matrix(parents, max_depth), max_depth, scores, lookup, confidence)
 
 
 def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -189,7 +193,7 @@ def _rank_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor | None,
              keep: torch.Tensor, max_depth: int, lookup: torch.Tensor | None = None,
-             ancestors: torch.Tensor | None = None) -> Tree:
+             ancestors: torch.Tensor | None = None, confidence: torch.Tensor | None = None) -> Tree:
     """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered;
     max_depth may be an upper bound of the kept nodes' depth. `ancestors` (the whole tree's) is cut down rather
     than rebuilt: kept nodes' ancestors are kept nodes."""
@@ -198,7 +202,8 @@ def _subtree(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, s
     parents_kept = new_index[parents[keep]]
     ancestors = ancestor_matrix(parents_kept, max_depth) if ancestors is None else ancestors[keep][:, keep]
     return Tree(tokens[keep], parents_kept, depth[keep], ancestors, max_depth,
-                None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep])
+                None if scores is None else scores[keep].float(), None if lookup is None else lookup[keep],
+                None if confidence is None else confidence[keep])
 
 
 def trim_keep(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[float], fixed: float = 0.0
@@ -232,7 +237,7 @@ def best_nodes(path_logp: torch.Tensor, depth: torch.Tensor, costs: Sequence[flo
 def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
     """The tree of the nodes in `keep` ([K] ascending, keep[0] = 0, closed under ancestors), renumbered."""
     return _subtree(tree.tokens, tree.parents, tree.depth, tree.scores, keep, tree.max_depth, tree.lookup,
-                    tree.ancestors)
+                    tree.ancestors, tree.confidence)
 
 
 def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, share: bool = True,
@@ -246,7 +251,7 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
     branch that repeats tree nodes costs verify rows that are nearly free there, and verification handles
     the repeated siblings (the generator's `Platform.host_reads` decides). Either way parents precede children.
     match_lengths ([len(branches)], default 1 each): the n-gram length behind each branch, recorded in the
-    result's `lookup` for every node on the branch (new or shared); new nodes get a NaN score.
+    result's `lookup` for every node on the branch (new or shared); new nodes get a NaN score and confidence.
     """
     if match_lengths is None:
         match_lengths = [1] * len(branches)
@@ -278,8 +283,9 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
         return tree
     device = tree.tokens.device
     n_old = tree.size if share else 1
-    if tree.scores is not None:
-        scores = torch.cat([tree.scores.float(), torch.full((len(tokens) - n_old,), float("nan"), device=device)])
+    unknown = torch.full((len(tokens) - n_old,), float("nan"), device=device)
+    scores = None if tree.scores is None else torch.cat([tree.scores.float(), unknown])
+    confidence = None if tree.confidence is None else torch.cat([tree.confidence.float(), unknown])
     if not share:
         offset = tree.size - 1  # new node k (1-based here) becomes tree.size + k - 1
         new_parents = [p + offset if p else 0 for p in parents[1:]]
@@ -287,16 +293,17 @@ def graft_branches(tree: Tree, branches: Sequence[Sequence[int]], max_new: int, 
         return tree_from_parents(torch.cat([tree.tokens, torch.tensor(tokens[1:], device=device)]),
                                  torch.cat([tree.parents, torch.tensor(new_parents, device=device)]),
                                  torch.cat([tree.depth, torch.tensor(depth[1:], device=device)]),
-                                 max(tree.max_depth, max(depth)), None if tree.scores is None else scores,
-                                 torch.cat([old_marks, torch.tensor(marks[1:], device=device)]))
+                                 max(tree.max_depth, max(depth)), scores,
+                                 torch.cat([old_marks, torch.tensor(marks[1:], device=device)]), confidence)
     order = sorted(range(len(tokens)), key=lambda i: depth[i])
     where = {old: new for new, old in enumerate(order)}
     index = torch.tensor(order, device=device)
     return tree_from_parents(torch.tensor([tokens[i] for i in order], device=device),
                              torch.tensor([where[parents[i]] for i in order], device=device),
                              torch.tensor([depth[i] for i in order], device=device), max(depth),
-                             None if tree.scores is None else scores[index],
-                             torch.tensor([marks[i] for i in order], device=device))
+                             None if scores is None else scores[index],
+                             torch.tensor([marks[i] for i in order], device=device),
+                             None if confidence is None else confidence[index])
 
 
 # ---------------------------------------------------------------------------------------------------

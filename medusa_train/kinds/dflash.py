@@ -443,7 +443,8 @@ class DFlashDrafting(Drafting):
             raise RuntimeError("dflash heads read the committed positions: feed them with observe() "
                                "(SpeculativeGenerator does) before drafting")
         e = self.heads.embed_tokens(root, self.embed)[0].to(self._mask_embed.dtype)
-        self._logits = self.score(0, self.heads.dflash.draft(e, self._mask_embed, self._cache))  # [K, V']
+        self._states = self.heads.dflash.draft(e, self._mask_embed, self._cache)  # [K, d]: slot k+1's state
+        self._logits = self.score(0, self._states)  # [K, V']
         return None
 
     def step(self, k, tokens, states):

@@ -12,8 +12,8 @@ vocabulary into r dimensions (`heads.markov_rank`) and markov_w2 [V', r] a low-r
 depth's candidates depend on their parent's token (the engine drafts per node, as chained heads), at the cost of one
 r-wide lookup and an r x V' product per node. The confidence head predicts each drafted token's chance of
 acceptance, sigmoid(proj([s_i; markov_w1[y_{i-1}]])), trained to the rate sampling accepts it, sum_v min(p_v, q_v)
-(`loss.confidence_weight`); vLLM schedules each request's verify length by it (our engine does not read it yet: its
-calibrated trim learns each node's acceptance online instead).
+(`loss.confidence_weight`); vLLM schedules each request's verify length by it, and our engine's calibrated trim
+keys each parent's best child by it (`inference.engine.calibrate`, kind "confident").
 
 Training (teacher-forced): y_{i-1} is the data token x_{t+i}. The states a step scores carry the Markov embedding
 past the hidden size, [s_i; markov_w1[x_{t+i}]], which `extra_scoring_weight` (markov_w2) scores beside the LM head,
@@ -168,3 +168,11 @@ class DSparkDrafting(DFlashDrafting):
     def step(self, k, tokens, states):
         draft = self.heads.dflash
         return self._logits[k:k + 1] + draft.bias(draft.markov(tokens)).to(self._logits.dtype), None
+
+    def confidence(self, tokens, parents, depth):
+        if not self.heads.has_confidence:
+            return None
+        slot = (depth - 1).clamp_min(0)  # node at depth k: slot k's state and its parent's token
+        states = torch.cat([self._states[slot], self.heads.dflash.markov(tokens[parents]).to(self._states.dtype)], -1)
+        out = torch.sigmoid(self.heads.confidence(0, states).float())
+        return out.masked_fill(depth == 0, float("nan"))

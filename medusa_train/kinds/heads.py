@@ -193,6 +193,12 @@ class Drafting:
         vocabulary, or [1, V'] when every node shares them, and the children's states [M, ...] or None)."""
         raise NotImplementedError
 
+    def confidence(self, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor | None:
+        """The step's tree (nodes' tokens, parents, depths [N]) -> each node's chance of acceptance given its parent's
+        [N] (the root's NaN), as a confidence head predicts it for the parent's best child; None for kinds without one.
+        Called after `step`s of the same tree."""
+        return None
+
 
 @dataclass
 class ExportSource:
