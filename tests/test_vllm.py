@@ -20,7 +20,9 @@ with `--format speculators` (with a draft vocabulary; with and without `--no-emb
   backend takes the non-causal block), greedy output exact, drafts accepted; a shifted layer id or another mask token
   changes its drafting. Its counters are near our replay but not equal (the test's docstring);
 - dspark heads exported the same way: vLLM's speculators loader reads their config as its DSpark model takes it; its
-  CPU build cannot serve DSpark (V2 model runner only, which needs Triton), and says so.
+  CPU build cannot serve DSpark alone (V2 model runner only, which needs Triton) and says so; with our plugin it
+  serves it (inference/vllm_dspark.py): greedy output exact, vLLM's drafts and accept counts ours, and with
+  `enable_adaptive_verification` the confidence schedule's drafts are what vLLM verifies.
 """
 
 from __future__ import annotations
