@@ -1,6 +1,6 @@
 """Every causal LM architecture transformers ships, as a tiny random model, through the engine: exact greedy output
-for every drafter (planted oracles, random chained / parallel / eagle3 / dflash heads, n-gram lookup; static and dynamic
-trees) and sampling, or a one-line refusal at load. Writes the table to docs/architectures.md.
+for every drafter (planted oracles, random chained / parallel / eagle3 / dflash / dspark heads, n-gram lookup; static
+and dynamic trees) and sampling, or a one-line refusal at load. Writes the table to docs/architectures.md.
 
     python scripts/arch_sweep.py                 # all of them, each in a process of its own (~15 minutes, 2 cores)
     python scripts/arch_sweep.py llama bloom     # some
@@ -69,10 +69,10 @@ def main() -> int:
                  f"`python scripts/arch_sweep.py` on transformers {transformers.__version__}: every model type of "
                  "`AutoModelForCausalLM`, as a tiny random model (float64, 2 to 4 layers), through the engine with "
                  "every drafter (planted oracles that force full-depth and rank-1 paths, random chained, parallel, "
-                 "eagle3 and dflash heads, n-gram lookup; static and dynamic trees; sampling). **exact**: greedy "
-                 "output equal to the model's own `generate` for all of them; **refused**: `SpeculativeGenerator` "
-                 "refuses it at load in one line (quoted); **not built**: the tiny config we derive from its "
-                 "defaults does not make a model whose own `generate` runs (nothing of ours ran).", "",
+                 "eagle3, dflash and dspark heads, n-gram lookup; static and dynamic trees; sampling). **exact**: "
+                 "greedy output equal to the model's own `generate` for all of them; **refused**: "
+                 "`SpeculativeGenerator` refuses it at load in one line (quoted); **not built**: the tiny config we "
+                 "derive from its defaults does not make a model whose own `generate` runs (nothing of ours ran).", "",
                  " | ".join(f"{k}: {v}" for k, v in counts.items()), "",
                  "| model type | result | detail |", "|---|---|---|"]
         lines += [f"| {r['model_type']} | {r['status']} | {r['detail'].replace('|', '/')} |" for r in rows]
