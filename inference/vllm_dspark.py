@@ -18,7 +18,9 @@ Where the V1 runner will run (`VLLM_USE_V2_MODEL_RUNNER` off, or no Triton), the
 3. workers: with `enable_adaptive_verification`, each request verifies as many of its drafts as pay
    (`inference.vllm_drafts.DraftPlanner`: the confidence's cell, calibrated on vLLM's verifies, is each draft's
    chance; the survival product along the chain, trimmed to the drafts that raise tokens a second at this batch size
-   on this machine, down to none), where V2 admits the batch's best slots under a profiled budget.
+   on this machine, down to none), where V2 admits the batch's best slots under a profiled budget. On a step whose
+   arm drafts nothing (the planner's measured choice), the proposer writes the context's keys and values alone and
+   skips the block (`context_only`): the next block attends to the context, nothing reads this one.
 
 Drafts are greedy (`draft_sample_method` "probabilistic" is refused in one line): vLLM verifies them as deterministic
 drafts, so sampling keeps the target's distribution. On a GPU with Triton nothing here applies: vLLM's V2 runner
@@ -36,7 +38,11 @@ from inference.engine.calibrate import CONFIDENT
 from inference.vllm_drafts import DraftPlanner
 
 VLLM_METHOD = "dspark"  # vLLM's name of the method (a speculative config's), which this module serves on V1
-KEY = "medusa_train_dspark"  # the draft config's key that says "DSpark, drafted through V1's DFlash proposer"
+KEY = "medusa_train_dspark"
+# V1's `propose` parameters in their order (vLLM 0.32), as `context_only` reads them
+PROPOSE_ARGS = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+                "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+                "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")  # the draft config's key that says "DSpark, drafted through V1's DFlash proposer"
 
 
 def v1_runs() -> bool:
@@ -107,6 +113,31 @@ def _sample_sequential(original):
     return _sample_draft_tokens
 
 
+def context_only(owner: type):
+    """`owner.propose` (V1's DFlashProposer), writing only the context's keys and values on a step the schedule drafts
+    nothing: the next block attends to them, and nothing reads the block's own. Returns no drafts ([R, K] zeros).
+    Otherwise the base class's `propose`, looked up at each call (whatever wraps it by then still runs)."""
+
+    def propose(self, *args, **kwargs):
+        drafting = super(owner, self).propose
+        if not getattr(self, "dspark_skip", False):
+            return drafting(*args, **kwargs)
+        a = dict(zip(PROPOSE_ARGS, args)) | kwargs
+        self.dspark_confidence = None
+        hidden = self.model.combine_hidden_states(a["target_hidden_states"])
+        num_tokens, _, cad = self.set_inputs_first_pass(
+            target_token_ids=a["target_token_ids"], next_token_ids=a["next_token_ids"],
+            target_positions=a["target_positions"], target_hidden_states=hidden,
+            token_indices_to_sample=a["token_indices_to_sample"], cad=a["common_attn_metadata"],
+            num_rejected_tokens_gpu=a.get("num_rejected_tokens_gpu"))
+        self.build_model_inputs_first_pass(num_tokens, num_tokens, None)  # the context's K/V, into the cache
+        return torch.zeros(cad.batch_size(), a["num_speculative_tokens"], dtype=torch.long,
+                           device=hidden.device)
+
+    propose._medusa_train = True
+    return propose
+
+
 class ConfidenceSchedule:
     """Each request's verify length from its drafts' confidences (change 3): a `DraftPlanner` over the heads' chains
     alone, the confidence standing for the heads' probability (its cell calibrated on vLLM's verifies)."""
@@ -116,22 +147,28 @@ class ConfidenceSchedule:
         self.k, self.max_model_len = k, max_model_len
         self.pending = False
 
-    def plan(self, runner: Any, scheduler_output: Any, sampled: list[list[int]], drafts: torch.Tensor,
-             confidence: torch.Tensor, pending: bool) -> list[list[int]]:
-        """This step's drafts, one a request in the batch's order, from each request's new tokens (`sampled_lists`),
-        its block's drafts [R, K] and their confidences [R, K]. `pending`: the runner has not yet added the new
-        tokens to the batch's (its padded drafter batch drafts before its bookkeeping)."""
-        batch = runner.input_batch
-        self.pending = pending
+    def start(self, runner: Any, scheduler_output: Any, sampled: list[list[int]]) -> bool:
+        """Count the step vLLM just ran (each request's new tokens, `sampled_lists`) and choose this step's arm, before
+        the drafter runs: whether the block is drafted at all (else its context is written alone, `context_only`)."""
         verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
         decode_only = all(t == 1 + verified.get(r, 0) for r, t in scheduler_output.num_scheduled_tokens.items())
+        self.planner.start(runner.input_batch.req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens,
+                           decode_only)
+        return self.planner.runs_heads
+
+    def plan(self, runner: Any, scheduler_output: Any, sampled: list[list[int]], drafts: torch.Tensor,
+             confidence: torch.Tensor | None, pending: bool) -> list[list[int]]:
+        """This step's drafts, one a request in the batch's order (after `start`), from each request's new tokens, its
+        block's drafts [R, K] and their confidences [R, K] (None: the block was not drafted). `pending`: the runner has
+        not yet added the new tokens to the batch's (its padded drafter batch drafts before its bookkeeping)."""
+        batch = runner.input_batch
+        self.pending = pending
         planner = self.planner
-        planner.start(batch.req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens, decode_only)
         live = [i for i, tokens in enumerate(sampled) if tokens]
         ends = batch.num_tokens_no_spec
         room = [max(0, min(self.k, self.max_model_len - 1 - int(ends[i]) - pending * len(sampled[i]))) for i in live]
         heads = None
-        if live and planner.runs_heads:
+        if live and planner.runs_heads and confidence is not None:
             rows = torch.tensor(live, device=drafts.device)
             chance = confidence[rows]
             heads = drafts[rows].cpu().numpy(), chance.float().cpu().numpy()

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from inference.vllm_drafts import LENGTHS, DraftPlanner, lookup
-from inference.vllm_dspark import VLLM_METHOD, _sample_sequential, as_dflash, sampled_lists, schedule_of, v1_runs
+from inference.vllm_dspark import (VLLM_METHOD, _sample_sequential, as_dflash, context_only, sampled_lists,
+                                   schedule_of, v1_runs)
 
 METHOD = "medusa_train"
 # what the runner patch reads of vLLM's `propose_draft_token_ids` (the same in 0.32 and 0.33)
@@ -272,13 +273,14 @@ def _propose_with_hidden_states(original):
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, HeadsProposer):
             schedule = schedule_of(self)
-            drafts = original(self, *args, **kwargs)
             if schedule is None:
-                return drafts
+                return original(self, *args, **kwargs)
             a = signature.bind(self, *args, **kwargs).arguments
-            sampled = a["sampled_token_ids"]
-            return schedule.plan(self, a["scheduler_output"], sampled_lists(self, sampled), drafts,
-                                 drafter.dspark_confidence, pending=isinstance(sampled, torch.Tensor))
+            sampled = sampled_lists(self, a["sampled_token_ids"])
+            drafter.dspark_skip = not schedule.start(self, a["scheduler_output"], sampled)  # the block, or context only
+            drafts = original(self, *args, **kwargs)
+            return schedule.plan(self, a["scheduler_output"], sampled, drafts, drafter.dspark_confidence,
+                                 pending=isinstance(a["sampled_token_ids"], torch.Tensor))
         a = signature.bind(self, *args, **kwargs).arguments
         sampled, hidden = a["sampled_token_ids"], a["sample_hidden_states"]
         n = getattr(a["scheduler_output"], "num_spec_tokens_to_schedule", 0) or drafter.num_speculative_tokens
@@ -334,3 +336,4 @@ def register() -> None:
     _patch(gpu_model_runner, "create_custom_proposer", _create_proposer)
     _patch(gpu_model_runner.GPUModelRunner, "propose_draft_token_ids", _propose_with_hidden_states)
     _patch(DFlashProposer, "_sample_draft_tokens", _sample_sequential)
+    _patch(DFlashProposer, "propose", lambda _: context_only(DFlashProposer))
