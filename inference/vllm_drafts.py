@@ -155,6 +155,12 @@ class DraftPlanner:
         self.last = (now, self.arm, context)
         return self.arm
 
+    def start_step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], scheduler_output) -> str:
+        """`start`, with what it counts read from vLLM's scheduler output for the step just run."""
+        verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        decode_only = all(t == 1 + verified.get(r, 0) for r, t in scheduler_output.num_scheduled_tokens.items())
+        return self.start(req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens, decode_only)
+
     @property
     def runs_heads(self) -> bool:
         return self.arm in ("both", "heads")

@@ -38,11 +38,11 @@ from inference.engine.calibrate import CONFIDENT
 from inference.vllm_drafts import DraftPlanner
 
 VLLM_METHOD = "dspark"  # vLLM's name of the method (a speculative config's), which this module serves on V1
-KEY = "medusa_train_dspark"
+KEY = "medusa_train_dspark"  # the draft config's key that says "DSpark, drafted through V1's DFlash proposer"
 # V1's `propose` parameters in their order (vLLM 0.32), as `context_only` reads them
 PROPOSE_ARGS = ("num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
                 "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
-                "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")  # the draft config's key that says "DSpark, drafted through V1's DFlash proposer"
+                "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings")
 
 
 def v1_runs() -> bool:
@@ -150,10 +150,7 @@ class ConfidenceSchedule:
     def start(self, runner: Any, scheduler_output: Any, sampled: list[list[int]]) -> bool:
         """Count the step vLLM just ran (each request's new tokens, `sampled_lists`) and choose this step's arm, before
         the drafter runs: whether the block is drafted at all (else its context is written alone, `context_only`)."""
-        verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
-        decode_only = all(t == 1 + verified.get(r, 0) for r, t in scheduler_output.num_scheduled_tokens.items())
-        self.planner.start(runner.input_batch.req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens,
-                           decode_only)
+        self.planner.start_step(runner.input_batch.req_ids, sampled, scheduler_output)
         return self.planner.runs_heads
 
     def plan(self, runner: Any, scheduler_output: Any, sampled: list[list[int]], drafts: torch.Tensor,

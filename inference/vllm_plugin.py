@@ -220,11 +220,9 @@ class HeadsProposer:
                 out[torch.tensor(live, device=device)] = drafted()[0]
             return out
         batch = runner.input_batch
-        verified = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
-        decode_only = all(t == 1 + verified.get(r, 0) for r, t in scheduler_output.num_scheduled_tokens.items())
         req_ids = batch.req_ids
         planner = self.planner
-        planner.start(req_ids, sampled, verified, scheduler_output.total_num_scheduled_tokens, decode_only)
+        planner.start_step(req_ids, sampled, scheduler_output)
         ends = batch.num_tokens_no_spec
         room = [max(0, min(n, self.max_model_len - 1 - int(ends[i]))) for i in live]
         heads = found = None

