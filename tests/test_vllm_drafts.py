@@ -37,22 +37,44 @@ def test_lookup_is_the_engines_first_branch():
     assert 100 < matched < 400  # both cases seen
 
 
+def machine(requests: int, drafts: int) -> float:
+    """A CPU-like step: a request's row costs 12 ms, a draft's 5 ms, the step 20 ms besides."""
+    return 0.02 + 0.012 * requests + 0.005 * drafts
+
+
 def test_step_cost_recovers_the_machines_costs():
     cost = StepCost(prior_ratio=16.0)
-    assert cost.ratio("both") == 16.0  # nothing seen: the prior
-    for tokens in [4] * 10:
-        cost.add("both", tokens, 0.02 + 0.005 * tokens)
-    assert cost.fit("both") is None and cost.ratio("both") == 16.0  # no spread in tokens: nothing to fit on
+    assert cost.base("both", 4) == 20.0  # nothing seen: the prior, plus the requests' own rows
+    for _ in range(10):
+        cost.add("both", 4, 4, machine(4, 0))
+    assert cost.fit("both") is None and cost.base("both", 4) == 20.0  # no spread in tokens: nothing to fit on
     rng = random.Random(1)
     for _ in range(200):
-        tokens = rng.randrange(1, 40)
-        cost.add("both", tokens, 0.02 + 0.005 * tokens)
-    fixed, per_token = cost.fit("both")
-    assert fixed == pytest.approx(0.02, rel=1e-6) and per_token == pytest.approx(0.005, rel=1e-6)
-    assert cost.ratio("both") == pytest.approx(4.0, rel=1e-6)
+        requests = rng.randrange(1, 17)
+        drafts = rng.randrange(0, 3 * requests + 1)
+        cost.add("both", requests, requests + drafts, machine(requests, drafts))
+    fixed, per_request, per_draft = cost.fit("both")
+    assert (fixed, per_request, per_draft) == pytest.approx((0.02, 0.012, 0.005), rel=1e-2)
+    for requests in (1, 4, 16):
+        assert cost.base("both", requests) == pytest.approx(machine(requests, 0) / 0.005, rel=1e-2)
     for _ in range(200):  # a GPU: rows cost nothing measurable
-        cost.add("lookup", rng.randrange(1, 40), 0.01)
-    assert cost.ratio("lookup") == StepCost.MAX_RATIO
+        requests = rng.randrange(1, 17)
+        cost.add("lookup", requests, requests + rng.randrange(0, 40), 0.01)
+    assert cost.base("lookup", 8) == StepCost.MAX_RATIO
+
+
+@pytest.mark.parametrize("sizes", [(4,), (2, 4)])
+def test_a_draft_is_charged_its_own_cost_not_a_requests(sizes):
+    """Steps of 4 requests (or of 2 and 4, as requests finish and arrive) drafting 0-12 tokens: a step of 4 without
+    drafts is worth 13.6 drafts, not the 9.4 that a fit on tokens alone gives when the batch size varies (each draft
+    charged part of a request's cost: lookup drafts that pay were trimmed)."""
+    cost = StepCost()
+    rng = random.Random(2)
+    for _ in range(300):
+        requests = rng.choice(sizes)
+        drafts = rng.randrange(0, 3 * requests + 1)
+        cost.add("lookup", requests, requests + drafts, machine(requests, drafts))
+    assert cost.base("lookup", 4) == pytest.approx(machine(4, 0) / 0.005, rel=1e-2)
 
 
 def test_batch_buckets():
