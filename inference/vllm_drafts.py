@@ -34,7 +34,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from inference.engine.calibrate import BOTH, LOOKUP, SCORED, AcceptanceCalibrator
 from inference.engine.choice import StepChoice
@@ -51,13 +50,21 @@ def lookup(tokens: np.ndarray, depth: int, max_ngram: int = MAX_NGRAM, max_conte
     first branch, in NumPy."""
     ctx = np.asarray(tokens[-max_context:])
     size = len(ctx)
-    for n in range(min(max_ngram, size - 1), 0, -1):
-        windows = sliding_window_view(ctx[:size - 1], n)  # starts 0 .. size-1-n: a continuation follows each
-        hits = np.flatnonzero((windows == ctx[size - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ctx[start:start + depth], n
-    return ctx[:0], 0
+    # where an earlier token (one with a token after it) is the last one: the 1-gram matches, by where they end; each
+    # longer n keeps those whose token n - 1 back matches too (one pass over the context, then a few candidates)
+    ends = np.flatnonzero(ctx[:size - 1] == ctx[size - 1]) if size > 1 else ctx[:0]
+    n = 0
+    while ends.size and n < max_ngram:
+        n += 1
+        longer = ends[ends >= n] if n < max_ngram else ends[:0]
+        longer = longer[ctx[longer - n] == ctx[size - 1 - n]] if longer.size and n < size - 1 else longer[:0]
+        if not longer.size:
+            break
+        ends = longer
+    if not n:
+        return ctx[:0], 0
+    start = int(ends[-1]) + 1
+    return ctx[start:start + depth], n
 
 
 class StepCost:
