@@ -53,16 +53,15 @@ def lookup(tokens: np.ndarray, depth: int, max_ngram: int = MAX_NGRAM, max_conte
     # where an earlier token (one with a token after it) is the last one: the 1-gram matches, by where they end; each
     # longer n keeps those whose token n - 1 back matches too (one pass over the context, then a few candidates)
     ends = np.flatnonzero(ctx[:size - 1] == ctx[size - 1]) if size > 1 else ctx[:0]
-    n = 0
-    while ends.size and n < max_ngram:
-        n += 1
-        longer = ends[ends >= n] if n < max_ngram else ends[:0]
-        longer = longer[ctx[longer - n] == ctx[size - 1 - n]] if longer.size and n < size - 1 else longer[:0]
+    if not ends.size or max_ngram < 1:
+        return ctx[:0], 0
+    n = 1
+    while n < min(max_ngram, size - 1):
+        longer = ends[ends >= n]
+        longer = longer[ctx[longer - n] == ctx[size - 1 - n]]
         if not longer.size:
             break
-        ends = longer
-    if not n:
-        return ctx[:0], 0
+        ends, n = longer, n + 1
     start = int(ends[-1]) + 1
     return ctx[start:start + depth], n
 
@@ -88,17 +87,18 @@ class StepCost:
     def __init__(self, prior_ratio: float = 16.0, memory: float = 128.0):
         self.prior_ratio, self.decay = prior_ratio, 1.0 - 1.0 / memory
         self.arms: list[str] = []
-        self.xx = np.zeros((2, 2))  # sums over steps of w x x^T and w x t, x = (arm's one-hot, R, D), grown by arm
+        self.xx = np.zeros((2, 2))  # sums over steps of w x x^T and w x t, x = (arm's one-hot, R, D), a column per arm
         self.xt = np.zeros(2)
 
     def add(self, arm: str, requests: int, tokens: int, seconds: float) -> None:
         """A decode step of `requests` requests that verified `tokens` tokens in all (theirs and their drafts)."""
         if arm not in self.arms:
+            m = len(self.arms)  # the new arm's column: after the others, before R and D
             self.arms.append(arm)
-            self.xx = np.pad(self.xx, ((1, 0), (1, 0)))
-            self.xt = np.pad(self.xt, (1, 0))
+            self.xx = np.insert(np.insert(self.xx, m, 0.0, axis=0), m, 0.0, axis=1)
+            self.xt = np.insert(self.xt, m, 0.0)
         x = np.zeros(len(self.xt))
-        x[len(self.arms) - 1 - self.arms.index(arm)] = 1.0  # arms are prepended: the newest is column 0
+        x[self.arms.index(arm)] = 1.0
         x[-2:] = requests, tokens - requests
         self.xx *= self.decay
         self.xx += np.outer(x, x)
@@ -115,7 +115,7 @@ class StepCost:
         tokens = np.zeros(len(xx))
         tokens[-2:] = 1.0  # x . tokens: the step's tokens, R + D
         mean = xx[:m, :].sum(axis=0) @ tokens / w
-        column = m - 1 - self.arms.index(arm)
+        column = self.arms.index(arm)
         if xx[column, column] < 4 or tokens @ xx @ tokens / w - mean**2 < 1.0:
             return None
         same = np.zeros(len(xx))
