@@ -47,15 +47,26 @@ def prompt_sets(work: Path, data: Path, target: str, limit: int) -> dict[str, Pa
     return sets
 
 
+def drafters_of(run: dict) -> list[str]:
+    """The drafters of one batch size's result (its other keys are plain's and the comparisons')."""
+    return [k for k in run if k not in ("batch", "plain", "identical", "speedup", "rounds", "speedup_per_round")]
+
+
+def spread(run: dict, drafter: str) -> str:
+    """`, 1.10-1.20` : the lowest and highest round's speedup, where the run had more than one round."""
+    ratios = run.get("speedup_per_round", {}).get(drafter, [])
+    return f", {min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
+
+
 def table(results: dict[str, dict]) -> str:
     lines = ["| prompts | drafter | batch 1 tokens/s (speedup) | batch 4 | batch 16 | mean acceptance length (1/4/16) |",
              "|---|---|---|---|---|---|"]
     for name, res in results.items():
         runs = res["runs"]
-        drafters = ["plain"] + [k for k in runs[0] if k not in ("batch", "plain", "identical", "speedup")]
+        drafters = ["plain"] + drafters_of(runs[0])
         for d in drafters:
-            cells = [f"{r[d]['tokens_per_s']:.1f}" + (f" ({r['speedup'][d]:.2f}x)" if d != "plain" else "")
-                     for r in runs]
+            cells = [f"{r[d]['tokens_per_s']:.1f}" + (f" ({r['speedup'][d]:.2f}x{spread(r, d)})"
+                                                       if d != "plain" else "") for r in runs]
             mal = "/".join(f"{r[d]['mean_acceptance_length']:.2f}" for r in runs) if d != "plain" else "-"
             lines.append(f"| {name} | {d} | " + " | ".join(cells) + f" | {mal} |")
     return "\n".join(lines)
@@ -70,7 +81,7 @@ def chart(results: dict[str, dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), sharey=True)
     for ax, (name, res) in zip(axes if len(results) > 1 else [axes], results.items()):
         runs = res["runs"]
-        drafters = [k for k in runs[0] if k not in ("batch", "plain", "identical", "speedup")]
+        drafters = drafters_of(runs[0])
         batches = [r["batch"] for r in runs]
         for d in drafters:
             ax.plot(batches, [r["speedup"][d] for r in runs], marker="o", label=d, lw=2.5 if d == "default" else 1.2)
@@ -94,6 +105,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--chart", default=None, help="PNG to draw the speedups into")
     p.add_argument("--sets", nargs="+", default=["mt-bench", "edit"])
+    p.add_argument("--rounds", type=int, default=1, help="plain and every drafter this many times in turn, at each "
+                   "batch size (the machine's speed drifts: the speedup is the median round's, with the spread)")
     args = p.parse_args()
     chained, eagle3 = os.environ.get("CHAINED"), os.environ.get("EAGLE3")
     data = Path(os.environ.get("DATA", ROOT.parent / "shared/data")).resolve()
@@ -124,7 +137,7 @@ def main() -> int:
         if not out.exists():
             run([VENV / "bin/python", "scripts/vllm_serve_bench.py", "--target", target, "--draft", *drafts.values(),
                  "--names", *drafts, "--prompts", prompts, "--batches", *args.batches, "--max-tokens", args.max_tokens,
-                 "--num-speculative-tokens", 3, "--out", out],
+                 "--num-speculative-tokens", 3, "--rounds", args.rounds, "--out", out],
                 env={"PYTHONPATH": str(work / "site"), "LD_PRELOAD": str(VENV / "lib/libiomp5.so"),
                      "VLLM_CPU_KVCACHE_SPACE": "2"})
         results[name] = json.loads(out.read_text())

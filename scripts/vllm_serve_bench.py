@@ -87,6 +87,23 @@ def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, 
         gc.collect()
 
 
+def summarize(batch: int, rounds: list[dict], names: list[str]) -> dict:
+    """One batch size's result: each drafter's median speedup over the rounds (and every round's, with their
+    spread), tokens/s the median round's; acceptance is the same every round (greedy)."""
+    def middle(xs: list, key) -> dict:  # the median round (the upper one of two)
+        return sorted(xs, key=key)[len(xs) // 2]
+
+    run = {"batch": batch, "rounds": len(rounds),
+           "plain": middle([r["plain"] for r in rounds], key=lambda p: p["tokens_per_s"]),
+           "identical": {}, "speedup": {}, "speedup_per_round": {}}
+    for name in names:
+        mid = middle([r[name] for r in rounds], key=lambda s: s["speedup"])
+        run[name] = {k: v for k, v in mid.items() if k not in ("identical", "speedup")}
+        run["identical"][name] = min(r[name]["identical"] for r in rounds)
+        run["speedup"][name], run["speedup_per_round"][name] = mid["speedup"], [r[name]["speedup"] for r in rounds]
+    return run
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -99,6 +116,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="run plain and every drafter this many times, in turn; "
+                   "a speedup is the median of the rounds' (each drafter over the same round's plain)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     import vllm
@@ -111,18 +130,20 @@ def main() -> int:
     prompts = json.load(open(args.prompts))
     runs = []
     for batch in args.batches:
-        plain = serve(args.target, None, prompts, batch, args.max_tokens, 0)
-        run = {"batch": batch, "plain": plain, "identical": {}, "speedup": {}}
-        for name, draft in zip(names, args.draft):
-            spec = serve(args.target, draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
-            same = sum(a == b for a, b in zip(plain["outputs"], spec.pop("outputs")))
-            run[name] = spec
-            run["identical"][name], run["speedup"][name] = same, spec["tokens_per_s"] / plain["tokens_per_s"]
-            print(f"batch {batch}: plain {plain['tokens_per_s']:.1f} tok/s, {name} {spec['tokens_per_s']:.1f} tok/s "
-                  f"({run['speedup'][name]:.2f}x), mean acceptance length {spec['mean_acceptance_length']:.2f}, "
-                  f"{same}/{len(prompts)} outputs identical", flush=True)
-        plain.pop("outputs")
-        runs.append(run)
+        rounds = []  # each round: plain, then every drafter, so a drift of the machine's speed reaches them all
+        for r in range(args.rounds):
+            plain = serve(args.target, None, prompts, batch, args.max_tokens, 0)
+            run = {"plain": plain}
+            for name, draft in zip(names, args.draft):
+                spec = serve(args.target, draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
+                same = sum(a == b for a, b in zip(plain["outputs"], spec.pop("outputs")))
+                run[name] = spec | {"identical": same, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]}
+                print(f"batch {batch}, round {r + 1}: plain {plain['tokens_per_s']:.1f} tok/s, {name} "
+                      f"{spec['tokens_per_s']:.1f} tok/s ({run[name]['speedup']:.2f}x), mean acceptance length "
+                      f"{spec['mean_acceptance_length']:.2f}, {same}/{len(prompts)} outputs identical", flush=True)
+            plain.pop("outputs")
+            rounds.append(run)
+        runs.append(summarize(batch, rounds, names))
     with open(args.out, "w") as f:
         json.dump({"vllm": vllm.__version__, "machine": f"{platform.machine()} {platform.processor()}",
                    "prompts": len(prompts), "max_tokens": args.max_tokens,

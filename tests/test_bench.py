@@ -280,3 +280,25 @@ def test_heads_of_any_kind_are_named_by_their_config(setup, capsys, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
     assert bench.main([*base, "--plot", str(setup / "x.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_the_vllm_table_takes_each_rounds_speedup_over_its_own_plain_and_reports_the_median(monkeypatch):
+    """vLLM's benchmark on a machine whose speed drifts: each round runs plain and the drafter, and a speedup is the
+    median round's ratio (not the median drafter over the median plain), with the rounds' spread in the table."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import vllm_default
+    import vllm_serve_bench
+
+    rounds = [{"plain": {"tokens_per_s": plain},
+               "d": {"tokens_per_s": plain * ratio, "speedup": ratio, "identical": n, "mean_acceptance_length": 2.0}}
+              for plain, ratio, n in [(10.0, 1.1, 16), (12.0, 0.9, 16), (8.0, 1.3, 15)]]
+    run = vllm_serve_bench.summarize(4, rounds, ["d"])
+    assert run["speedup"]["d"] == 1.1  # the ratio of the medians would be 10.8 / 10 = 1.08
+    assert run["d"]["tokens_per_s"] == 11.0 and run["plain"]["tokens_per_s"] == 10.0
+    assert run["speedup_per_round"]["d"] == [1.1, 0.9, 1.3]
+    assert run["identical"]["d"] == 15  # a round whose output differs is not hidden by the others
+    assert vllm_default.drafters_of(run) == ["d"]
+    table = vllm_default.table({"set": {"runs": [run]}})
+    assert "| set | d | 11.0 (1.10x, 0.90-1.30) |" in table
