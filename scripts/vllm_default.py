@@ -1,5 +1,6 @@
 """The plugin's default in vLLM against its parts: plain decoding, vLLM's n-gram lookup, our chained heads alone
-(fixed chains), our eagle3 heads through their export, and the default (`"method": "medusa_train"` and nothing else:
+(fixed chains), our eagle3 heads through their export, vLLM's suffix decoding where the venv has arctic-inference
+(SUFFIX=1 bash scripts/vllm_cpu_venv.sh), and the default (`"method": "medusa_train"` and nothing else:
 heads or lookup a request, lengths that pay), at batch 1, 4 and 16, on two prompt sets in one run: MT-Bench first
 turns (every other one, 5 a category) and an edit set where lookup pays (Alpaca demo answers to proofread and return
 in full). Tokens/s and vLLM's mean acceptance length; a table, WORK/vllm-default.json and a chart.
@@ -105,6 +106,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--chart", default=None, help="PNG to draw the speedups into")
     p.add_argument("--sets", nargs="+", default=["mt-bench", "edit"])
+    p.add_argument("--drafters", nargs="+", default=None, help="only these of default, heads, eagle3, ngram, "
+                   "suffix (default: all that can run)")
     p.add_argument("--rounds", type=int, default=1, help="plain and every drafter this many times in turn, at each "
                    "batch size (the machine's speed drifts: the speedup is the median round's, with the spread)")
     args = p.parse_args()
@@ -129,6 +132,13 @@ def main() -> int:
                  "--force"])
         drafts["eagle3"] = f"eagle3:{work / 'export'}"
     drafts["ngram"] = "ngram"
+    if subprocess.run([VENV / "bin/python", "-c", "import arctic_inference"], capture_output=True).returncode == 0:
+        drafts["suffix"] = "suffix"
+    if args.drafters:
+        if missing := set(args.drafters) - set(drafts):
+            sys.exit(f"--drafters {' '.join(sorted(missing))}: not available here (EAGLE3 unset, or no "
+                     f"arctic-inference in {VENV} for suffix: SUFFIX=1 bash scripts/vllm_cpu_venv.sh {VENV})")
+        drafts = {name: drafts[name] for name in args.drafters}
     results = {}
     for name, prompts in prompt_sets(work, data, target, args.limit).items():
         if name not in args.sets:

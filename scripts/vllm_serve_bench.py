@@ -9,7 +9,8 @@ Python; `scripts/vllm_vs_engine.sh` runs it beside our engine's benchmark.
 --draft: `eagle3:DIR` (our eagle3 heads exported with --format speculators; a bare DIR means the same),
 `medusa_train:DIR` (chained or parallel heads as train.py wrote them, through our plugin: the project installed in
 that venv; `medusa_train:DIR,lookup=false,lengths=fixed` adds those keys to the speculative config: the heads' chains
-alone), `ngram` (vLLM's prompt lookup, n-grams of 2 to 4 tokens).
+alone), `ngram` (vLLM's prompt lookup, n-grams of 2 to 4 tokens), `suffix` (vLLM's suffix decoding: needs
+arctic-inference in that venv, `scripts/vllm_cpu_venv.sh` with SUFFIX=1; capped at the same draft length).
 --prompts: a JSON list of prompts as token ids (the chat template applied), so both engines see the same tokens.
 """
 
@@ -47,9 +48,12 @@ def scalar(text: str):
 
 def speculative_config(draft: str, k: int) -> dict:
     """vLLM's speculative_config for a --draft entry (`METHOD:DIR,key=value,...`: the keys added to it)."""
-    method, _, path = draft.partition(":") if ":" in draft else ("eagle3" if draft != "ngram" else "ngram", "", draft)
+    method, _, path = draft.partition(":") if ":" in draft else (
+        draft if draft in ("ngram", "suffix") else "eagle3", "", draft)
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "suffix":  # its tree caches past responses across requests, and proposes up to k tokens
+        return {"method": "suffix", "num_speculative_tokens": k}
     path, *keys = path.split(",")
     extra = {key: scalar(value) for key, _, value in (kv.partition("=") for kv in keys)}
     return {"method": method, "model": path, "num_speculative_tokens": k} | extra
@@ -64,7 +68,9 @@ def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, 
     llm = LLM(model=target, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+        # warm-up on the first prompts' tokens reversed: suffix decoding caches every response it has served, and a
+        # warm-up on the measured prompts would hand it their answers
+        llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:2]], params, use_tqdm=False)
         before = counters(llm)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -109,7 +115,7 @@ def main() -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True, nargs="+",
                    help="drafters: eagle3:DIR (or DIR: an eagle3 export), medusa_train:DIR (chained or parallel "
-                        "heads), ngram")
+                        "heads), ngram, suffix")
     p.add_argument("--names", nargs="+", default=None, help="a name per --draft for the results (default: eagle3 "
                    "for one bare DIR, else each entry's method, or its directory's name when methods repeat)")
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")

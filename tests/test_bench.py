@@ -302,3 +302,40 @@ def test_the_vllm_table_takes_each_rounds_speedup_over_its_own_plain_and_reports
     assert vllm_default.drafters_of(run) == ["d"]
     table = vllm_default.table({"set": {"runs": [run]}})
     assert "| set | d | 11.0 (1.10x, 0.90-1.30) |" in table
+
+
+def test_the_vllm_benchmark_warms_up_on_no_measured_prompt_and_caps_suffix_at_the_draft_length(monkeypatch):
+    """Suffix decoding caches every response vLLM served: a warm-up on the measured prompts would hand it their
+    answers. The warm-up's prompts are none of the measured ones; suffix, like n-gram, drafts at most k tokens."""
+    import types
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import vllm_serve_bench
+
+    served, configs = [], []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            configs.append(kwargs.get("speculative_config"))
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+        def generate(self, requests, params, use_tqdm):
+            served.append([r["prompt_token_ids"] for r in requests])
+            out = types.SimpleNamespace(token_ids=[7] * params.max_tokens)
+            return [types.SimpleNamespace(outputs=[out]) for _ in requests]
+
+        def get_metrics(self):
+            return []
+
+    fake = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    result = vllm_serve_bench.serve("t", "suffix", prompts, 2, 5, 3)
+    warm_up, measured = served
+    assert measured == prompts and not any(p in prompts for p in warm_up)
+    assert configs == [{"method": "suffix", "num_speculative_tokens": 3}]
+    assert result["tokens"] == 15 and result["mean_acceptance_length"] == 1.0
+    assert vllm_serve_bench.speculative_config("ngram", 3)["num_speculative_tokens"] == 3
+    assert vllm_serve_bench.speculative_config("/x/export", 2) == {"method": "eagle3", "model": "/x/export",
+                                                                   "num_speculative_tokens": 2}
