@@ -32,19 +32,26 @@ def run(cmd: list, env: dict | None = None) -> None:
     subprocess.run(list(map(str, cmd)), cwd=ROOT, check=True, env={**os.environ, **(env or {})})
 
 
-def prompt_sets(work: Path, data: Path, target: str, limit: int) -> dict[str, Path]:
-    """{set name: JSON of token-id prompts}: MT-Bench first turns, and edit prompts from the last Alpaca demo rows
-    with an answer of 500+ characters and no input."""
-    sets = {"mt-bench": work / "prompts-mtbench.json", "edit": work / "prompts-edit.json"}
-    if not sets["mt-bench"].exists():
-        run([sys.executable, "scripts/bench_prompts.py", data / "mt_bench_question.jsonl", limit, target,
-             sets["mt-bench"], 2])
-    if not sets["edit"].exists():
-        rows = json.loads((data / "llamafactory_alpaca_en_demo.json").read_text())
-        texts = [r["output"] for r in rows if len(r["output"]) >= 500 and not r["input"]][-limit:]
-        source = work / "edit.jsonl"
-        source.write_text("".join(json.dumps({"prompt": EDIT.format(t)}) + "\n" for t in texts))
-        run([sys.executable, "scripts/bench_prompts.py", source, limit, target, sets["edit"]])
+def prompt_sets(work: Path, data: Path, target: str, limit: int) -> dict[str, tuple[Path, Path]]:
+    """{set name: (JSON of token-id prompts, JSON of 2 warm-up prompts like them but not measured)}: MT-Bench first
+    turns (every other question; the warm-up the 2nd and 4th), and edit prompts from the last Alpaca demo rows with an
+    answer of 500+ characters and no input (the warm-up the 2 such rows before them)."""
+    sets = {"mt-bench": (work / "prompts-mtbench.json", work / "warmup-mtbench.json"),
+            "edit": (work / "prompts-edit.json", work / "warmup-edit.json")}
+    questions = data / "mt_bench_question.jsonl"
+    if not sets["mt-bench"][0].exists():
+        run([sys.executable, "scripts/bench_prompts.py", questions, limit, target, sets["mt-bench"][0], 2])
+    if not sets["mt-bench"][1].exists():
+        source = work / "warmup-mtbench.jsonl"
+        source.write_text("".join(questions.read_text().splitlines(keepends=True)[1:4:2]))
+        run([sys.executable, "scripts/bench_prompts.py", source, 2, target, sets["mt-bench"][1]])
+    rows = json.loads((data / "llamafactory_alpaca_en_demo.json").read_text())
+    texts = [r["output"] for r in rows if len(r["output"]) >= 500 and not r["input"]]
+    for i, (texts_of, name) in enumerate([(texts[-limit:], "edit"), (texts[-limit - 2:-limit], "warmup-edit")]):
+        if not sets["edit"][i].exists():
+            source = work / f"{name}.jsonl"
+            source.write_text("".join(json.dumps({"prompt": EDIT.format(t)}) + "\n" for t in texts_of))
+            run([sys.executable, "scripts/bench_prompts.py", source, limit, target, sets["edit"][i]])
     return sets
 
 
@@ -140,14 +147,14 @@ def main() -> int:
                      f"arctic-inference in {VENV} for suffix: SUFFIX=1 bash scripts/vllm_cpu_venv.sh {VENV})")
         drafts = {name: drafts[name] for name in args.drafters}
     results = {}
-    for name, prompts in prompt_sets(work, data, target, args.limit).items():
+    for name, (prompts, warmup) in prompt_sets(work, data, target, args.limit).items():
         if name not in args.sets:
             continue
         out = work / f"vllm-{name}.json"
         if not out.exists():
             run([VENV / "bin/python", "scripts/vllm_serve_bench.py", "--target", target, "--draft", *drafts.values(),
-                 "--names", *drafts, "--prompts", prompts, "--batches", *args.batches, "--max-tokens", args.max_tokens,
-                 "--num-speculative-tokens", 3, "--rounds", args.rounds, "--out", out],
+                 "--names", *drafts, "--prompts", prompts, "--warmup", warmup, "--batches", *args.batches,
+                 "--max-tokens", args.max_tokens, "--num-speculative-tokens", 3, "--rounds", args.rounds, "--out", out],
                 env={"PYTHONPATH": str(work / "site"), "LD_PRELOAD": str(VENV / "lib/libiomp5.so"),
                      "VLLM_CPU_KVCACHE_SPACE": "2"})
         results[name] = json.loads(out.read_text())

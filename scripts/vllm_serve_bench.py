@@ -59,7 +59,9 @@ def speculative_config(draft: str, k: int) -> dict:
     return {"method": method, "model": path, "num_speculative_tokens": k} | extra
 
 
-def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
+def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, max_tokens: int, k: int,
+          warmup: list[list[int]] | None = None) -> dict:
+    """One LLM: a warm-up (`warmup`, else the first prompts reversed), then every prompt at `batch` at once."""
     from vllm import LLM, SamplingParams
 
     kwargs = dict(dtype="float32", max_model_len=2048, max_num_seqs=batch, disable_log_stats=False, seed=0)
@@ -68,9 +70,10 @@ def serve(target: str, draft: str | None, prompts: list[list[int]], batch: int, 
     llm = LLM(model=target, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        # warm-up on the first prompts' tokens reversed: suffix decoding caches every response it has served, and a
-        # warm-up on the measured prompts would hand it their answers
-        llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:2]], params, use_tqdm=False)
+        # never the measured prompts: suffix decoding caches every response it has served, and a warm-up on them would
+        # hand it their answers; prompts of the same kind, as our default learns its acceptance rates there too
+        warm = warmup or [p[::-1] for p in prompts[:2]]
+        llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
         before = counters(llm)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -119,6 +122,8 @@ def main() -> int:
     p.add_argument("--names", nargs="+", default=None, help="a name per --draft for the results (default: eagle3 "
                    "for one bare DIR, else each entry's method, or its directory's name when methods repeat)")
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--warmup", default=None, help="JSON list of token-id lists each LLM serves before it is "
+                   "measured: prompts like --prompts but none of them (default: the first 2 of them reversed)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -134,14 +139,17 @@ def main() -> int:
     if len(names) != len(args.draft) or len(set(names)) != len(names):
         p.error("--names needs one distinct name per --draft")
     prompts = json.load(open(args.prompts))
+    warmup = json.load(open(args.warmup)) if args.warmup else None
+    if warmup and any(w in prompts for w in warmup):
+        p.error("--warmup holds a prompt --prompts measures: suffix decoding would be served its answer")
     runs = []
     for batch in args.batches:
         rounds = []  # each round: plain, then every drafter, so a drift of the machine's speed reaches them all
         for r in range(args.rounds):
-            plain = serve(args.target, None, prompts, batch, args.max_tokens, 0)
+            plain = serve(args.target, None, prompts, batch, args.max_tokens, 0, warmup)
             run = {"plain": plain}
             for name, draft in zip(names, args.draft):
-                spec = serve(args.target, draft, prompts, batch, args.max_tokens, args.num_speculative_tokens)
+                spec = serve(args.target, draft, prompts, batch, args.max_tokens, args.num_speculative_tokens, warmup)
                 same = sum(a == b for a, b in zip(plain["outputs"], spec.pop("outputs")))
                 run[name] = spec | {"identical": same, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]}
                 print(f"batch {batch}, round {r + 1}: plain {plain['tokens_per_s']:.1f} tok/s, {name} "

@@ -336,6 +336,8 @@ def test_the_vllm_benchmark_warms_up_on_no_measured_prompt_and_caps_suffix_at_th
     assert measured == prompts and not any(p in prompts for p in warm_up)
     assert configs == [{"method": "suffix", "num_speculative_tokens": 3}]
     assert result["tokens"] == 15 and result["mean_acceptance_length"] == 1.0
+    vllm_serve_bench.serve("t", "ngram", prompts, 2, 5, 3, warmup=[[42, 43]])
+    assert served[-2] == [[42, 43]]  # prompts like the measured ones, when given
     assert vllm_serve_bench.speculative_config("ngram", 3)["num_speculative_tokens"] == 3
     assert vllm_serve_bench.speculative_config("/x/export", 2) == {"method": "eagle3", "model": "/x/export",
                                                                    "num_speculative_tokens": 2}

@@ -754,6 +754,35 @@ def test_vllm_serves_heads_and_lookup_as_the_plugin_plans(vllm_venv, plugin_site
     assert seen == {"heads", "lookup"} and {0, K} <= lengths and len(lengths) > 2
 
 
+def test_vllm_samples_the_targets_distribution_with_the_default_drafting(vllm_venv, plugin_site, tmp_path,
+                                                                          tmp_path_factory):
+    """Sampling at 0.8 through the default, every request drafting K tokens (heads' or lookup's): the second token,
+    the first one a verify step decides, follows the target's own distribution (the sum over the first token of both
+    steps' softmax), a chi-square test over 4,000 requests seeded apart; drafts were both accepted and rejected."""
+    root, target, prompts, heads_dir = trained_heads(next(iter(SERVED_HEADS)), tmp_path_factory)
+    n, temperature = 4000, 0.8
+    (run,) = serve(vllm_venv, [{"target": str(root / "target"), "prompts": [prompts[0]] * n, "max_tokens": 2 + K,
+                                "num_speculative_tokens": K, "temperature": temperature, "seed": 0,
+                                "seed_per_request": True, "max_num_seqs": 64, "method": "medusa_train",
+                                "draft": str(heads_dir), "speculative": {"lengths": "fixed"}}], tmp_path, plugin_site)
+    assert "error" not in run, run.get("error")
+    spec = run["spec_decode"]
+    assert spec["num_drafts"] >= n and 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    with torch.no_grad():
+        first = (target(torch.tensor([prompts[0]])).logits[0, -1].double() / temperature).softmax(-1)
+        tokens = torch.arange(first.numel())[:, None]
+        after = target(torch.cat([torch.tensor([prompts[0]]).expand(len(tokens), -1), tokens], 1)).logits[:, -1]
+        expected = first @ (after.double() / temperature).softmax(-1)
+    counts = torch.bincount(torch.tensor([o[1] for o in run["outputs"]]), minlength=expected.numel()).double()
+    big = expected * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    want = torch.cat([expected[big], expected[~big].sum()[None]]) * n
+    keep = want > 0
+    chi2 = float(((observed[keep] - want[keep]) ** 2 / want[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert df >= 10 and chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)  # ~1e-7 false alarm (normal approximation)
+
+
 def test_vllm_refuses_heads_the_plugin_cannot_serve_in_one_line(vllm_venv, plugin_site, tmp_path):
     """Heads of another kind, with a context encoder, for another target, or more tokens than heads: vLLM stops
     before loading anything, with our one-line reason."""
