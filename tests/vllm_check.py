@@ -8,7 +8,7 @@ with each prompt's output token ids and vLLM's speculative-decoding counters (or
 
 "record_drafts": true also returns every draft vLLM's proposer made (`record_drafts`), "record_plans": true every
 draft our plugin made (`record_plans`), the engine run in-process. "speculative": {...} adds keys to the
-speculative config. "seed_per_request": true seeds request i with seed + i (identical prompts then draw apart).
+speculative config.
 
 "draft": "self" with "target": EXPORT serves the export alone (`LLM(model=EXPORT)`: vLLM takes the verifier from its
 config).
@@ -88,9 +88,8 @@ def serve(run: dict) -> dict:
                                         } | run.get("speculative", {})
     llm = LLM(model=run["target"], **kwargs)  # "self": the target is the export, which names its verifier
     try:
-        params = [SamplingParams(temperature=run["temperature"], max_tokens=run["max_tokens"], ignore_eos=True,
-                                 seed=run["seed"] + (i if run.get("seed_per_request") else 0))
-                  for i in range(len(run["prompts"]))]
+        params = SamplingParams(temperature=run["temperature"], max_tokens=run["max_tokens"], ignore_eos=True,
+                                seed=run["seed"])
         outs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
         result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "spec_decode": counters(llm)}
         return result | ({"drafts": log} if log is not None else {})
