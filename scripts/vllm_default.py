@@ -3,7 +3,8 @@
 (SUFFIX=1 bash scripts/vllm_cpu_venv.sh), and the default (`"method": "medusa_train"` and nothing else:
 heads or lookup a request, lengths that pay), at batch 1, 4 and 16, on two prompt sets in one run: MT-Bench first
 turns (every other one, 5 a category) and an edit set where lookup pays (Alpaca demo answers to proofread and return
-in full). Tokens/s and vLLM's mean acceptance length; a table, WORK/vllm-default.json and a chart.
+in full), each LLM warmed up on 2 prompts of the set that are not measured. Tokens/s and vLLM's mean
+acceptance length; a table, WORK/vllm-default.json and a chart.
 
     CHAINED=runs/kinds/heads-chained EAGLE3=runs/kinds/heads-eagle3 DATA=../shared/data \\
         python scripts/vllm_default.py --work runs/vllm-default --chart docs/results/vllm-default.png
