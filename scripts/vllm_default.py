@@ -46,6 +46,8 @@ def prompt_sets(work: Path, data: Path, target: str, limit: int) -> dict[str, tu
         source = work / "warmup-mtbench.jsonl"
         source.write_text("".join(questions.read_text().splitlines(keepends=True)[1:4:2]))
         run([sys.executable, "scripts/bench_prompts.py", source, 2, target, sets["mt-bench"][1]])
+    if all(f.exists() for f in sets["edit"]):
+        return sets
     rows = json.loads((data / "llamafactory_alpaca_en_demo.json").read_text())
     texts = [r["output"] for r in rows if len(r["output"]) >= 500 and not r["input"]]
     for i, (texts_of, name) in enumerate([(texts[-limit:], "edit"), (texts[-limit - 2:-limit], "warmup-edit")]):
