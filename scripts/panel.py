@@ -103,8 +103,9 @@ def train(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int,
     out = work / member / f"{kind}-{run}-seed{seed}"
     export = out.with_name(out.name + "-export")
     if not (out / "model.safetensors").exists():
-        sh([sys.executable, "train.py", recipe, f"train.seed={seed}", f"train.hidden_cache_dir={work / member}/cache",
-            *overrides, f"output_dir={out}"], out.with_suffix(".log"))
+        cache = work / member / f"cache-{kind}"  # one a kind: eagle3's rows hold its aux layers, the others' do not
+        sh([sys.executable, "train.py", recipe, f"train.seed={seed}", f"train.hidden_cache_dir={cache}", *overrides,
+            f"output_dir={out}"], out.with_suffix(".log"))
     import medusa_train.kinds  # noqa: F401 - registers every kind
     from medusa_train.kinds.heads import kind_class
 
