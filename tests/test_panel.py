@@ -75,4 +75,5 @@ def test_each_kind_trains_through_its_own_hidden_cache(panel, tmp_path):
     assert len(set(caches)) == 2 and all("train.lr=2e-3" in c and "train.seed=0" in c for c in trains)
     assert any("medusa_train.export" in c for c in panel.ran)
     assert served["eagle3"] == f"eagle3:{tmp_path / 'code' / 'eagle3-default-seed0-export'}"
-    assert served["chained"] == f"medusa_train:{tmp_path / 'code' / 'chained-default-seed0'}"
+    heads_alone = "lookup=false,lengths=fixed"  # what training made, without n-gram lookup or the planner's lengths
+    assert served["chained"] == f"medusa_train:{tmp_path / 'code' / 'chained-default-seed0'},{heads_alone}"
