@@ -136,8 +136,8 @@ def theirs(work: Path, member: str, spec: dict[str, str], epochs: int, run: str,
         sh([SPEC / "bin/python", "scripts/vs_speculators.py", "train", "--", "--verifier-name-or-path", spec["target"],
             "--data-path", data, "--save-path", out, "--log-dir", f"{out}-logs", "--epochs", epochs,
             "--draft-vocab-size", draft_vocab, "--train-data-ratio", "0.9999", "--hidden-states-dtype", "float32",
-            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "1", "--prefetch-factor", "2",
-            "--seed", seed, "--target-layer-ids", *aux, *flags], out.with_suffix(".log"))
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "1", "--prefetch-factor",
+            "2", "--seed", seed, "--target-layer-ids", *aux, *flags], out.with_suffix(".log"))
     return f"eagle3:{out / str(epochs - 1)}"
 
 

@@ -1,5 +1,5 @@
-"""scripts/panel.py, the script that decides the defaults (docs/results.md, "The panel"): its verdict rule, and that each
-trainer gets what the member's target needs. Training and vLLM are replaced by a recorder: what is checked is the
+"""scripts/panel.py, the script that decides the defaults (docs/results.md, "The panel"): its verdict rule, and that
+each trainer gets what the member's target needs. Training and vLLM are replaced by a recorder: what is checked is the
 commands the panel runs and the table it draws from measurements."""
 
 from __future__ import annotations
