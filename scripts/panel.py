@@ -62,9 +62,9 @@ def sh(cmd: list[str], log: Path | None = None, env: dict | None = None) -> None
         sys.exit(f"error: {cmd[0]} ... exited {done.returncode}" + (f"; see {log}" if log else ""))
 
 
-def build_members(work: Path, data: Path, n_rows: int) -> dict[str, dict[str, str]]:
-    """Each member's target, training rows (the first `n_rows` of its source, WORK/NAME/rows-N.jsonl) and prompt
-    file, built when missing."""
+def build_members(work: Path, data: Path, n_rows: int, names: list[str]) -> dict[str, dict[str, str]]:
+    """Each named member's target, training rows (the first `n_rows` of its source, WORK/NAME/rows-N.jsonl) and
+    prompt file, built when missing."""
     py = sys.executable
     smollm2 = subprocess.run([py, "-m", "medusa_train.target.prepare"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
@@ -72,18 +72,23 @@ def build_members(work: Path, data: Path, n_rows: int) -> dict[str, dict[str, st
                         "prompts": str(data / "mt_bench_question.jsonl"), "stride": "2", "limit": "40"}}
     for name, source in (("code", ["--code", f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}"]),
                          ("math", ["--data", str(data / "gsm8k_train.jsonl")])):
+        if name not in names:
+            continue
         out = work / name
         if not (out / "model" / "config.json").exists():
             sh([py, "scripts/small_target.py", *source, "--out", out, "--steps", "400",
                 "--batch-size", "8"], work / f"{name}-target.log")
         members[name] = {"target": str(out / "model"), "rows": str(out / "train-rows.jsonl"),
                          "prompts": str(out / "heldout-prompts.jsonl"), "stride": "1", "limit": "64"}
+    members = {name: spec for name, spec in members.items() if name in names}
     for name, spec in members.items():
         rows = work / name / f"rows-{n_rows}.jsonl"
         if not rows.exists():
             source = Path(spec["rows"])
             items = (json.loads(source.read_text()) if source.suffix == ".json"
                      else [json.loads(line) for line in source.read_text().splitlines() if line.strip()])
+            if len(items) <= n_rows:  # (the next row is the validation split below)
+                sys.exit(f"error: --rows {n_rows}: the {name} member has {len(items)} rows; ask for fewer")
             rows.parent.mkdir(parents=True, exist_ok=True)
             rows.write_text("".join(json.dumps(r) + "\n" for r in items[:n_rows]))
             from medusa_train.data.formats import chat_messages
@@ -215,7 +220,7 @@ def main() -> None:
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     runs = dict(r.partition("=")[::2] for r in args.runs)
-    members = build_members(work, data, args.rows) if not args.table else {}
+    members = build_members(work, data, args.rows, args.members) if not args.table else {}
     result = {}
     for m in args.members:
         if not args.table:
