@@ -173,6 +173,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
+    """The heads' peak lr (AdamW's groups; Muon's is train.muon_lr). Where the recipe does not set it, the kind's own
+    (its class's `train_defaults`: chained heads 8e-3, the panel's choice, docs/training.md "The lr"), else this."""
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized) on the heads'
     hidden weight matrices at train.muon_lr, AdamW on the rest, as speculators trains; one schedule. `auto`: muon for
@@ -334,9 +336,10 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
     cfg = _build(Config, raw, prefix="")
-    for key, value in getattr(KINDS.get(cfg.heads.kind), "loss_defaults", {}).items():
-        if key not in (raw.get("loss") or {}):  # the kind's own objective where the recipe is silent
-            setattr(cfg.loss, key, value)
+    for section in ("loss", "train"):  # the kind's own objective and lr where the recipe is silent
+        for key, value in getattr(KINDS.get(cfg.heads.kind), f"{section}_defaults", {}).items():
+            if key not in (raw.get(section) or {}):
+                setattr(getattr(cfg, section), key, value)
     _expand_home(cfg)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from medusa_train.train.cli import main
-from medusa_train.config import load_config
+from medusa_train.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -182,3 +182,32 @@ def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
     with pytest.raises(ConfigError, match="train.activation_checkpointing recomputes draft layers, which chained heads "
                                           r"do not have \(only eagle3, dflash and dspark do\): remove it"):
         load_config(recipe, ["heads.kind=chained", "train.activation_checkpointing=true"])
+
+
+def test_a_kind_trains_at_its_own_lr_where_the_recipe_is_silent_and_a_checkpoint_records_it(recipe, tmp_path):
+    """train.lr unset: chained heads train at their kind's lr (ChainedHeads.train_defaults, the panel's choice), the
+    kinds without one at TrainConfig's, Muon's lr following; an lr the recipe or an override sets is kept whatever the
+    kind. recipe.yaml records the lr resolved, so a checkpoint of a silent recipe from before the default moved (lr
+    1e-3) is refused on resume, naming train.lr, rather than resumed at another lr."""
+    import yaml
+
+    from medusa_train.config import MUON_LR_SCALE, TrainConfig
+    from medusa_train.kinds.chained import ChainedHeads
+    from medusa_train.train.checkpoints import RECIPE_NAME, check_resumable
+
+    chained_lr = ChainedHeads.train_defaults["lr"]
+    assert chained_lr != TrainConfig.lr
+    assert load_config(recipe, world_size=1).train.lr == chained_lr
+    assert load_config(recipe, ["heads.kind=parallel"], world_size=1).train.lr == TrainConfig.lr
+    eagle3 = load_config(recipe, ["heads.kind=eagle3"], world_size=1).train
+    assert (eagle3.lr, eagle3.muon_lr) == (TrainConfig.lr, MUON_LR_SCALE * TrainConfig.lr)
+    for kind in ("chained", "eagle3"):
+        assert load_config(recipe, [f"heads.kind={kind}", "train.lr=3e-4"], world_size=1).train.lr == 3e-4
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text(recipe.read_text().replace("train: {", "train: {lr: 5.0e-4, "))
+    assert load_config(pinned, world_size=1).train.lr == 5e-4
+    old = load_config(recipe, world_size=1).to_dict()
+    old["train"]["lr"] = 1e-3
+    (tmp_path / RECIPE_NAME).write_text(yaml.safe_dump(old))
+    with pytest.raises(ConfigError, match=rf"train.lr={chained_lr!r} \(the checkpoint has 0.001\)"):
+        check_resumable(load_config(recipe, world_size=1), tmp_path)

@@ -253,6 +253,8 @@ class DraftHeads(nn.Module):
     recompute: bool = False
     loss_defaults: ClassVar[dict[str, float]] = {}
     """`loss.*` values the kind trains with where the recipe does not set them (dspark: its paper's objective)."""
+    train_defaults: ClassVar[dict[str, float]] = {}
+    """`train.*` values the kind trains with where the recipe does not set them (chained: its lr, chosen on the panel)."""
 
     def __new__(cls, spec: HeadsSpec | None = None, *args: Any, **kwargs: Any):
         if cls is DraftHeads and spec is not None:  # (copies and unpickling pass no spec: they name the subclass)
