@@ -174,7 +174,7 @@ class TrainConfig:
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float = 1e-3
     """The heads' peak lr (AdamW's groups; Muon's is train.muon_lr). Where the recipe does not set it, the kind's own
-    (its class's `train_defaults`: chained heads 8e-3, the panel's choice, docs/training.md "The lr"), else this."""
+    (its class's `train_defaults`: chained heads 4e-3, the panel's choice, docs/training.md "The lr"), else this."""
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized) on the heads'
     hidden weight matrices at train.muon_lr, AdamW on the rest, as speculators trains; one schedule. `auto`: muon for

@@ -110,7 +110,7 @@ class ChainedHeads(OnTargetHeads):
     kind = "chained"
     Options = ChainedOptions
     exports = {"mlp_speculator": Export("vLLM <= 0.32; no current engine", mlp_speculator_files, MLP_SPECULATOR_NEEDS)}
-    train_defaults = {"lr": 8e-3}  # the panel's choice (docs/training.md, "The lr")
+    train_defaults = {"lr": 4e-3}  # the panel's choice (docs/training.md, "The lr")
 
     def __init__(self, spec):
         super().__init__(spec)
