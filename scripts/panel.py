@@ -66,10 +66,12 @@ def build_members(work: Path, data: Path, n_rows: int, names: list[str]) -> dict
     """Each named member's target, training rows (the first `n_rows` of its source, WORK/NAME/rows-N.jsonl) and
     prompt file, built when missing."""
     py = sys.executable
-    smollm2 = subprocess.run([py, "-m", "medusa_train.target.prepare"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
-    members = {"chat": {"target": smollm2, "rows": str(data / "llamafactory_alpaca_en_demo.json"),
-                        "prompts": str(data / "mt_bench_question.jsonl"), "stride": "2", "limit": "40"}}
+    members = {}
+    if "chat" in names:
+        smollm2 = subprocess.run([py, "-m", "medusa_train.target.prepare"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1]
+        members["chat"] = {"target": smollm2, "rows": str(data / "llamafactory_alpaca_en_demo.json"),
+                           "prompts": str(data / "mt_bench_question.jsonl"), "stride": "2", "limit": "40"}
     for name, source in (("code", ["--code", f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}"]),
                          ("math", ["--data", str(data / "gsm8k_train.jsonl")])):
         if name not in names:
@@ -80,7 +82,6 @@ def build_members(work: Path, data: Path, n_rows: int, names: list[str]) -> dict
                 "--batch-size", "8"], work / f"{name}-target.log")
         members[name] = {"target": str(out / "model"), "rows": str(out / "train-rows.jsonl"),
                          "prompts": str(out / "heldout-prompts.jsonl"), "stride": "1", "limit": "64"}
-    members = {name: spec for name, spec in members.items() if name in names}
     for name, spec in members.items():
         rows = work / name / f"rows-{n_rows}.jsonl"
         if not rows.exists():

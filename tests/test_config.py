@@ -134,7 +134,7 @@ def test_train_py_subprocess_exit_code(tmp_path):
 def test_the_draft_vocabulary_defaults_to_a_quarter_of_a_large_vocabulary(recipe):
     """heads.draft_vocab_size: auto (the default) scores a quarter of the target's vocabulary where that is at least
     2048 tokens, else all of it; a number is used as is, capped at the vocabulary; a bad value is one line."""
-    from medusa_train.config import ConfigError, HeadsConfig
+    from medusa_train.config import HeadsConfig
 
     auto = HeadsConfig()
     assert auto.draft_vocab_size == "auto"
@@ -174,8 +174,6 @@ def test_eagle3_heads_get_two_norms_unless_the_recipe_says_otherwise(tmp_path):
 def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
     """train.activation_checkpointing: taken for eagle3, dflash and dspark, refused in one line for kinds without
     layers."""
-    from medusa_train.config import ConfigError
-
     for kind in ("eagle3", "dflash", "dspark"):
         assert load_config(recipe, [f"heads.kind={kind}", "train.activation_checkpointing=true"]
                            ).train.activation_checkpointing
