@@ -183,7 +183,10 @@ class TrainConfig:
     """Muon's lr (the hidden matrices' group, same schedule); 0: MUON_LR_SCALE x train.lr, resolved on load."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
-    warmup_steps: int = 0
+    warmup_steps: int | float = 0
+    """Linear warm-up from 0 to the peak lr over this many optimizer steps; a fraction in (0, 1): that share of the
+    run's steps (as transformers' TrainingArguments reads it). Where the recipe does not set it, the kind's own
+    (`train_defaults`), else 0."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     max_grad_norm: float = 1.0
@@ -566,7 +569,9 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
     need(t.process_timeout_minutes > 0, f"train.process_timeout_minutes must be > 0, got {t.process_timeout_minutes}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    for key, zero in (("weight_decay", ""), ("warmup_steps", ""), ("max_grad_norm", " (0: no clipping)"),
+    need(0 <= t.warmup_steps and (t.warmup_steps < 1 or float(t.warmup_steps).is_integer()),
+         f"train.warmup_steps must be a whole count of steps or a fraction in [0, 1) of the run, got {t.warmup_steps}")
+    for key, zero in (("weight_decay", ""), ("max_grad_norm", " (0: no clipping)"),
                       ("save_every", " (0: only at the end)"), ("heads_warmup_steps", ""), ("muon_lr", " (0: 5 x train.lr)"),
                       ("max_nonfinite_steps", " (0: never stop)")):
         need(getattr(t, key) >= 0, f"train.{key} must be >= 0{zero}, got {getattr(t, key)}")

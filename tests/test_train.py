@@ -326,6 +326,26 @@ def test_warmup_cosine_schedule():
     assert lr[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
+def test_warmup_steps_reads_a_fraction_below_one_as_that_share_of_the_run(ws):
+    """train.warmup_steps 0.1 over 50 steps warms up over 5, as 5 does; 1.5 (neither a count nor a fraction) is
+    refused naming the key."""
+    from medusa_train.base.errors import ConfigError
+    from medusa_train.train.optim import build_optimizer
+
+    heads = torch.nn.Linear(4, 4)
+    for warmup in ("0.1", "5"):
+        optimizer, scheduler = build_optimizer(config(ws, "warm", f"train.warmup_steps={warmup}", "train.lr=1.0",
+                                                      "train.optimizer=adamw"), heads, None, total_steps=50)
+        lrs = []
+        for _ in range(7):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0]) and lrs[5] == 1.0 and lrs[6] < 1.0, (warmup, lrs)
+    with pytest.raises(ConfigError, match="train.warmup_steps must be a whole count of steps or a fraction"):
+        config(ws, "warm", "train.warmup_steps=1.5")
+
+
 def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
     """The loss written position by position, straight from the definition, full logits, no chunks."""
     from medusa_train.target.model import target_hidden

@@ -23,6 +23,11 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_steps(warmup: int | float, total_steps: int) -> int:
+    """`train.warmup_steps` in steps: a fraction below 1 is that share of the run (at least one step when not 0)."""
+    return int(warmup) if warmup >= 1 or not warmup else max(1, round(warmup * total_steps))
+
+
 def adapter_schedule(step: int, heads_warmup_steps: int, warmup_steps: int, total_steps: int,
                      min_lr_ratio: float) -> float:
     """The adapters' lr multiplier (target.lora): 0 through the heads' warm-up, then `warmup_cosine` over the rest."""
@@ -132,7 +137,8 @@ def build_optimizer(cfg: Config, heads: torch.nn.Module, adapters: torch.nn.Modu
     if adapters is not None:
         groups.append({"params": list(adapters.parameters()), "lr": cfg.target.lora.lr, "weight_decay": 0.0})
     optimizer = MuonAdamW(groups, lr=cfg.train.lr) if muon else torch.optim.AdamW(groups, lr=cfg.train.lr)
-    shape = dict(warmup_steps=cfg.train.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.train.min_lr_ratio)
+    shape = dict(warmup_steps=warmup_steps(cfg.train.warmup_steps, total_steps), total_steps=total_steps,
+                 min_lr_ratio=cfg.train.min_lr_ratio)
     schedules = [partial(warmup_cosine, **shape)] * len(groups)
     if adapters is not None:  # the adapters' group is the last
         schedules[-1] = partial(adapter_schedule, heads_warmup_steps=cfg.train.heads_warmup_steps, **shape)
