@@ -172,15 +172,16 @@ class TrainConfig:
     """Sequences per micro-step summed over all processes; each process gets batch_size / world_size."""
     grad_accum: int = 1
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
-    lr: float = 1e-3
-    """The heads' peak lr (AdamW's groups; Muon's is train.muon_lr). Where the recipe does not set it, the kind's own
-    (its class's `train_defaults`: chained heads 4e-3, the panel's choice, docs/training.md "The lr"), else this."""
+    lr: float | Literal["auto"] = "auto"
+    """The heads' peak lr (AdamW's groups; Muon's is train.muon_lr). `auto`: the kind's own for this target
+    (`default_lr` on its class: chained heads 3 / the target's hidden size, the others 1e-3; docs/training.md "The
+    lr"), resolved from the target's config before any weight loads; recipe.yaml records the value."""
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized) on the heads'
     hidden weight matrices at train.muon_lr, AdamW on the rest, as speculators trains; one schedule. `auto`: muon for
     the kinds in MUON_KINDS, adamw for the others; resolved when the recipe loads, so recipe.yaml records which."""
     muon_lr: float = 0.0
-    """Muon's lr (the hidden matrices' group, same schedule); 0: MUON_LR_SCALE x train.lr, resolved on load."""
+    """Muon's lr (the hidden matrices' group, same schedule); 0: MUON_LR_SCALE x train.lr, resolved with it."""
     weight_decay: float = 0.0
     """Decoupled weight decay, on weight matrices only (biases and norm scales are not decayed)."""
     warmup_steps: int | float = 0
@@ -339,7 +340,7 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=1e-4")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
     cfg = _build(Config, raw, prefix="")
-    for section in ("loss", "train"):  # the kind's own objective and lr where the recipe is silent
+    for section in ("loss", "train"):  # the kind's own objective and warm-up where the recipe is silent
         for key, value in getattr(KINDS.get(cfg.heads.kind), f"{section}_defaults", {}).items():
             if key not in (raw.get(section) or {}):
                 setattr(getattr(cfg, section), key, value)
@@ -351,9 +352,22 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
         cfg.train.optimizer = "muon" if cfg.heads.kind in MUON_KINDS else "adamw"
     need(cfg.train.optimizer == "muon" or not cfg.train.muon_lr,
          f"train.muon_lr is Muon's lr, and this run trains with {cfg.train.optimizer}: drop it or set train.optimizer=muon")
+    if cfg.train.lr != "auto":
+        _muon_lr_follows(cfg)
+    return cfg
+
+
+def resolve_lr(cfg: Config, hidden_size: int) -> None:
+    """`train.lr: auto` -> the kind's own lr for a target this wide (the trainer calls it with the target's config,
+    before any weight loads); Muon's lr follows where unset."""
+    if cfg.train.lr == "auto":
+        cfg.train.lr = KINDS.get(cfg.heads.kind).default_lr(hidden_size)
+        _muon_lr_follows(cfg)
+
+
+def _muon_lr_follows(cfg: Config) -> None:
     if cfg.train.optimizer == "muon" and not cfg.train.muon_lr:
         cfg.train.muon_lr = MUON_LR_SCALE * cfg.train.lr
-    return cfg
 
 
 def _expand_home(cfg: Config) -> None:
@@ -568,7 +582,7 @@ def validate_train(t: TrainConfig, world_size: int) -> None:
          f"processes; use a multiple of {world_size}")
     need(t.process_timeout_minutes > 0, f"train.process_timeout_minutes must be > 0, got {t.process_timeout_minutes}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
-    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(t.lr == "auto" or t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     need(0 <= t.warmup_steps and (t.warmup_steps < 1 or float(t.warmup_steps).is_integer()),
          f"train.warmup_steps must be a whole count of steps or a fraction in [0, 1) of the run, got {t.warmup_steps}")
     for key, zero in (("weight_decay", ""), ("max_grad_norm", " (0: no clipping)"),

@@ -182,30 +182,40 @@ def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
         load_config(recipe, ["heads.kind=chained", "train.activation_checkpointing=true"])
 
 
-def test_a_kind_trains_at_its_own_lr_where_the_recipe_is_silent_and_a_checkpoint_records_it(recipe, tmp_path):
-    """train.lr unset: chained heads train at their kind's lr (ChainedHeads.train_defaults, the panel's choice), the
-    kinds without one at TrainConfig's, Muon's lr following; an lr the recipe or an override sets is kept whatever the
-    kind. recipe.yaml records the lr resolved, so a checkpoint of a silent recipe from before the default moved (lr
-    1e-3) is refused on resume, naming train.lr, rather than resumed at another lr."""
+def test_a_kind_trains_at_its_own_lr_and_warm_up_where_the_recipe_is_silent_and_a_checkpoint_records_them(
+        recipe, tmp_path):
+    """train.lr unset is `auto`, resolved for the target's width (resolve_lr, which the trainer calls with the
+    target's config): chained heads at 3 / hidden size with a 10% warm-up (ChainedHeads, the panel's choice), the
+    other kinds at 1e-3 with none, Muon's lr following; an lr or warm-up the recipe or an override sets is kept
+    whatever the kind. recipe.yaml records the values resolved, so a checkpoint of a silent recipe from before the
+    default moved (lr 4e-3) is refused on resume, naming train.lr, rather than resumed at another lr."""
     import yaml
 
-    from medusa_train.config import MUON_LR_SCALE, TrainConfig
-    from medusa_train.kinds.chained import ChainedHeads
+    from medusa_train.config import MUON_LR_SCALE, resolve_lr
     from medusa_train.train.checkpoints import RECIPE_NAME, check_resumable
 
-    chained_lr = ChainedHeads.train_defaults["lr"]
-    assert chained_lr != TrainConfig.lr
-    assert load_config(recipe, world_size=1).train.lr == chained_lr
-    assert load_config(recipe, ["heads.kind=parallel"], world_size=1).train.lr == TrainConfig.lr
-    eagle3 = load_config(recipe, ["heads.kind=eagle3"], world_size=1).train
-    assert (eagle3.lr, eagle3.muon_lr) == (TrainConfig.lr, MUON_LR_SCALE * TrainConfig.lr)
+    def resolved(*overrides: str, hidden_size: int = 384):
+        cfg = load_config(recipe, list(overrides), world_size=1)
+        resolve_lr(cfg, hidden_size)
+        return cfg
+
+    assert load_config(recipe, world_size=1).train.lr == "auto"
+    for hidden_size, lr in ((384, 3 / 384), (576, 3 / 576), (4096, 3 / 4096)):
+        train = resolved(hidden_size=hidden_size).train
+        assert (train.lr, train.warmup_steps) == (pytest.approx(lr), 0.1)
+    parallel = resolved("heads.kind=parallel").train
+    assert (parallel.lr, parallel.warmup_steps) == (1e-3, 0)
+    eagle3 = resolved("heads.kind=eagle3").train
+    assert (eagle3.lr, eagle3.muon_lr, eagle3.warmup_steps) == (1e-3, MUON_LR_SCALE * 1e-3, 0)
     for kind in ("chained", "eagle3"):
-        assert load_config(recipe, [f"heads.kind={kind}", "train.lr=3e-4"], world_size=1).train.lr == 3e-4
+        train = resolved(f"heads.kind={kind}", "train.lr=3e-4", "train.warmup_steps=5").train
+        assert (train.lr, train.warmup_steps) == (3e-4, 5)
     pinned = tmp_path / "pinned.yaml"
-    pinned.write_text(recipe.read_text().replace("train: {", "train: {lr: 5.0e-4, "))
-    assert load_config(pinned, world_size=1).train.lr == 5e-4
-    old = load_config(recipe, world_size=1).to_dict()
-    old["train"]["lr"] = 1e-3
+    pinned.write_text(recipe.read_text().replace("train: {", "train: {lr: 5.0e-4, warmup_steps: 0, "))
+    train = load_config(pinned, world_size=1).train
+    assert (train.lr, train.warmup_steps) == (5e-4, 0)
+    old = resolved().to_dict()
+    old["train"]["lr"] = 4e-3
     (tmp_path / RECIPE_NAME).write_text(yaml.safe_dump(old))
-    with pytest.raises(ConfigError, match=rf"train.lr={chained_lr!r} \(the checkpoint has 0.001\)"):
-        check_resumable(load_config(recipe, world_size=1), tmp_path)
+    with pytest.raises(ConfigError, match=rf"train.lr={3 / 384!r} \(the checkpoint has 0.004\)"):
+        check_resumable(resolved(), tmp_path)

@@ -346,6 +346,27 @@ def test_warmup_steps_reads_a_fraction_below_one_as_that_share_of_the_run(ws):
         config(ws, "warm", "train.warmup_steps=1.5")
 
 
+def test_a_recipe_silent_on_the_lr_trains_chained_heads_at_their_width_rule(ws):
+    """`train.py` with no train.lr and no warm-up in the recipe: the chained heads' optimizer runs at 3 / the
+    target's hidden size after a 10% warm-up (the lr logged at step 5 of 20 is the schedule's there), and recipe.yaml
+    records the lr resolved."""
+    import yaml
+    from transformers import AutoConfig
+
+    from medusa_train.train.cli import main
+    from medusa_train.train.optim import warmup_cosine
+
+    silent = ws / "silent.yaml"
+    silent.write_text((ws / "base.yaml").read_text().replace("lr: 3.0e-3, warmup_steps: 2, ", ""))
+    out = ws / "silent-lr"
+    assert main([str(silent), f"output_dir={out}", "train.max_steps=20", "eval.every=0", "tracking.backend=none"]) == 0
+    peak = 3 / AutoConfig.from_pretrained(ws / "model").hidden_size
+    logged = {row["step"]: row["train/lr"] for row in read_jsonl(out / "metrics.jsonl") if "train/lr" in row}
+    assert logged[5] == pytest.approx(peak * warmup_cosine(5, warmup_steps=2, total_steps=20, min_lr_ratio=0.1))
+    recorded = yaml.safe_load((out / "recipe.yaml").read_text())["train"]
+    assert (recorded["lr"], recorded["warmup_steps"]) == (pytest.approx(peak), 0.1)
+
+
 def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
     """The loss written position by position, straight from the definition, full logits, no chunks."""
     from medusa_train.target.model import target_hidden

@@ -254,7 +254,13 @@ class DraftHeads(nn.Module):
     loss_defaults: ClassVar[dict[str, float]] = {}
     """`loss.*` values the kind trains with where the recipe does not set them (dspark: its paper's objective)."""
     train_defaults: ClassVar[dict[str, float]] = {}
-    """`train.*` values the kind trains with where the recipe does not set them (chained: its lr, chosen on the panel)."""
+    """`train.*` values the kind trains with where the recipe does not set them (chained: its warm-up, chosen on the
+    panel)."""
+
+    @classmethod
+    def default_lr(cls, hidden_size: int) -> float:
+        """`train.lr: auto` for a target of this width."""
+        return 1e-3
 
     def __new__(cls, spec: HeadsSpec | None = None, *args: Any, **kwargs: Any):
         if cls is DraftHeads and spec is not None:  # (copies and unpickling pass no spec: they name the subclass)

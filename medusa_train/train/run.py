@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from .best import Best, drop_stale_best, keep_best_metric, restore_best
 from .checkpoints import METRICS_NAME, check_resumable, remove_stale_files, resume, resume_checkpoint
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, resolve_lr
 from ..data.rows import (LengthGroupedSampler, build_datasets, collate, row_lengths, select_draft_vocab,
                          token_counts)
 from ..kinds.heads import DraftHeads, kind_class
@@ -27,7 +27,7 @@ from .joint import JointObjective, add_lora
 from .losses import HeadsObjective
 from .metrics import host_peak_bytes, setup_tracking
 from .optim import build_optimizer
-from .preflight import check_before_loading, check_cache_room, checkpoint_reserve
+from .preflight import check_before_loading, check_cache_room, checkpoint_reserve, target_text_config
 from .processes import (check_joint_distributed, check_output_dir_shared, say_processes, set_aside_fsdp_on_cpus,
                         setup_accelerator, unwrapped)
 from ..target.sharding import describe as describe_sharding
@@ -78,6 +78,9 @@ def setup(cfg: Config) -> Run:
     if int(os.environ.get("RANK", "0")) == 0:
         remove_stale_files(cfg.output_dir)
     ckpt = resume_checkpoint(cfg)
+    auto_lr = cfg.train.lr == "auto"
+    if auto_lr and (text := target_text_config(cfg)) is not None:  # unreadable: the model load will say why
+        resolve_lr(cfg, text.hidden_size)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
     check_before_loading(cfg)
     sharded = take_over_sharding()  # the target sharded by us, the heads under DDP (medusa_train/target/sharding.py)
@@ -101,6 +104,9 @@ def setup(cfg: Config) -> Run:
     if cache_dir is not None and (room := check_cache_room(cfg, cache_dir, tokens, accelerator.device)):
         accelerator.print(room)  # before the model loads: a cache that cannot fit is refused now, not an epoch in
     target, sizes = load_target(cfg, accelerator, sharded)  # sharded: each process reads its own share of the files
+    if auto_lr:
+        resolve_lr(cfg, text_config(target.config).hidden_size)  # (a no-op where the config could be read above)
+        accelerator.print(f"train.lr auto: {cfg.train.lr:.3g}, heads.kind={cfg.heads.kind}'s own lr for this target")
     peft = None
     if cfg.target.lora.r:
         check_joint_distributed(accelerator)
