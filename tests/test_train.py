@@ -349,7 +349,7 @@ def test_warmup_steps_reads_a_fraction_below_one_as_that_share_of_the_run(ws):
 def test_a_recipe_silent_on_the_lr_trains_chained_heads_at_their_width_rule(ws):
     """`train.py` with no train.lr and no warm-up in the recipe: the chained heads' optimizer runs at 3 / the
     target's hidden size after a 10% warm-up (the lr logged at step 5 of 20 is the schedule's there), and recipe.yaml
-    records the lr resolved."""
+    records the lr resolved; the run resumes from its checkpoint (the lr is resolved before the resume check)."""
     import yaml
     from transformers import AutoConfig
 
@@ -359,12 +359,15 @@ def test_a_recipe_silent_on_the_lr_trains_chained_heads_at_their_width_rule(ws):
     silent = ws / "silent.yaml"
     silent.write_text((ws / "base.yaml").read_text().replace("lr: 3.0e-3, warmup_steps: 2, ", ""))
     out = ws / "silent-lr"
-    assert main([str(silent), f"output_dir={out}", "train.max_steps=20", "eval.every=0", "tracking.backend=none"]) == 0
+    args = [str(silent), f"output_dir={out}", "train.max_steps=20", "train.save_every=10", "eval.every=0",
+            "tracking.backend=none"]
+    assert main(args) == 0
     peak = 3 / AutoConfig.from_pretrained(ws / "model").hidden_size
     logged = {row["step"]: row["train/lr"] for row in read_jsonl(out / "metrics.jsonl") if "train/lr" in row}
     assert logged[5] == pytest.approx(peak * warmup_cosine(5, warmup_steps=2, total_steps=20, min_lr_ratio=0.1))
     recorded = yaml.safe_load((out / "recipe.yaml").read_text())["train"]
     assert (recorded["lr"], recorded["warmup_steps"]) == (pytest.approx(peak), 0.1)
+    assert main([*args, f"resume={out / 'checkpoints' / 'step-10'}"]) == 0
 
 
 def naive_loss(heads, target, ids, labels, mask, cfg) -> torch.Tensor:
