@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from medusa_train.config import load_config, resolve_lr
 from medusa_train.data.rows import build_datasets, collate
 from medusa_train.train.joint import add_lora
-from medusa_train.target.model import load_model, load_tokenizer
+from medusa_train.target.model import load_model, load_tokenizer, text_config
 from medusa_train.target.states import TargetStates
 from medusa_train.train.optim import param_groups
 from medusa_train.train.run import make_objective, setup_forward_target, setup_heads
@@ -42,7 +42,7 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.target)
     train_ds, _, _ = build_datasets(cfg, tokenizer)
     target = load_model(cfg.target, "cpu")
-    resolve_lr(cfg, target.config.get_text_config().hidden_size)  # train.lr auto: the kind's own, as the trainer does
+    resolve_lr(cfg, text_config(target.config).hidden_size)  # train.lr auto: the kind's own, as the trainer does
     joint = cfg.target.lora.r > 0
     peft = add_lora(target, cfg.target.lora) if joint else None
     target = peft.get_base_model() if joint else target
