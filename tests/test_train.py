@@ -752,6 +752,7 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     import medusa_train.train.preflight as preflight
     import medusa_train.train.run as run_setup
     from medusa_train.config import ConfigError
+    from medusa_train.target.model import text_config
 
     monkeypatch.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     blocker = tmp_path / "a-file"
@@ -765,12 +766,34 @@ def test_what_would_fail_after_the_work_fails_before_it(ws, tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"^data.max_length=600 exceeds the target's 512 positions"):
         train(config(ws, "x", "data.max_length=600"))
     cfg = config(ws, "x")
-    n = preflight.head_parameters(cfg, preflight.target_text_config(cfg))  # counted without loading the target
+    n = preflight.head_parameters(cfg, text_config(preflight.target_config(cfg)))  # without loading the target
     assert n == sum(p.numel() for p in DraftHeads.for_target(_tiny_target(ws), "chained", 3).parameters())
     monkeypatch.setattr(preflight, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(ConfigError, match=r"GiB free, but 2 checkpoints and the heads need about .* lower "
                                           "train.keep_checkpoints"):
         train(config(ws, "x"))
+
+
+def test_a_run_reads_the_targets_config_once_before_loading(ws, tmp_path, monkeypatch):
+    """The lr `auto` resolves, the checks before loading and the cache's room on its disk all use the one config
+    `setup` reads (a GGUF target's is parsed from the file's header each time), and the run trains as before."""
+    import yaml
+    from transformers import AutoConfig
+
+    import medusa_train.train.preflight as preflight
+    import medusa_train.train.run as run_setup
+
+    reads = []
+    real = preflight.target_config
+    monkeypatch.setattr(run_setup, "target_config", lambda cfg: reads.append(cfg.target.model) or real(cfg))
+    monkeypatch.setattr(preflight, "target_config", lambda cfg: pytest.fail("the target's config was read again"))
+    cfg = config(ws, "read-once", "train.max_steps=2", "train.lr=auto", f"train.hidden_cache_dir={tmp_path}")
+    train(cfg)
+    out = Path(cfg.output_dir)
+    assert reads == [str(ws / "model")] and (out / "model.safetensors").is_file()
+    assert any(tmp_path.iterdir())  # the cache was written where its room was checked
+    recorded = yaml.safe_load((out / "recipe.yaml").read_text())["train"]["lr"]
+    assert recorded == pytest.approx(3 / AutoConfig.from_pretrained(ws / "model").hidden_size)
 
 
 def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, monkeypatch):
@@ -790,7 +813,8 @@ def test_a_target_the_engine_refuses_is_refused_before_training(ws, tmp_path, mo
         with pytest.raises(ConfigError, match=rf"^target.model=.*{name}: {message}.*nothing was trained"):
             train(config(ws, "x", f"target.model={tmp_path / name}"))
     tiny_config("opt").save_pretrained(tmp_path / "opt")
-    preflight.check_before_loading(config(ws, "x", f"target.model={tmp_path / 'opt'}", "heads.kind=eagle3"))
+    opt = config(ws, "x", f"target.model={tmp_path / 'opt'}", "heads.kind=eagle3")
+    preflight.check_before_loading(opt, preflight.target_config(opt))
 
 
 def _tiny_target(ws):

@@ -68,7 +68,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
 
     from ..config import ConfigError
     from ..data.rows import build_datasets
-    from ..train.preflight import check_cache_room
+    from ..train.preflight import check_cache_room, target_config
     from ..train.run import setup_forward_target, setup_heads
     from .model import decoder_layers, greedy_tokens, load_model, load_tokenizer
     from .states import TargetStates, cache_fingerprint, row_key
@@ -82,7 +82,7 @@ def fill(cfg, vllm_python: str, tensor_parallel: int = 1, batch: int = 64) -> di
                           "vLLM (scripts/vllm_cpu_venv.sh makes one on a CPU)")
     tokenizer = load_tokenizer(cfg.target)
     train_ds, _, info = build_datasets(cfg, tokenizer)
-    room = check_cache_room(cfg, cache_dir, info["tokens"], "cpu")  # a cache its disk cannot hold: refused now
+    room = check_cache_room(cfg, cache_dir, info["tokens"], "cpu", target_config(cfg))  # too big: refused now
     if room:
         print(room, flush=True)
     target = load_model(cfg.target, "cpu")

@@ -43,12 +43,6 @@ def target_config(cfg: Config):
         return None
 
 
-def target_text_config(cfg: Config):
-    """The target's text config (see `target_config`)."""
-    config = target_config(cfg)
-    return None if config is None else text_config(config)
-
-
 def check_target_supported(cfg: Config, config) -> None:
     """The engine's support rules, from the config alone, and what the heads' kind needs of the target: heads are
     never trained for a target the engine would refuse, nor fail after an hour for want of its layers."""
@@ -111,13 +105,12 @@ def checkpoint_reserve(cfg: Config, text, directory: str | os.PathLike) -> int:
     return checkpoint_bytes(cfg, text) if shared else 0
 
 
-def check_cache_room(cfg: Config, directory: str | os.PathLike, tokens: int, device: torch.device | str
+def check_cache_room(cfg: Config, directory: str | os.PathLike, tokens: int, device: torch.device | str, config
                      ) -> str | None:
     """The hidden-state cache's expected size for `tokens` training tokens against the room on its disk: a line to
     print, or a one-line ConfigError when it cannot fit (beside the checkpoints, when they share the disk). The
-    shards already there count as written (a later run on the same data writes nothing). None when the target's
-    config cannot be read."""
-    config = target_config(cfg)
+    shards already there count as written (a later run on the same data writes nothing). `config`: the target's, as
+    `target_config` read it; None (unreadable) checks nothing."""
     if config is None:
         return None
     text = text_config(config)
@@ -146,14 +139,15 @@ def size(n: float) -> str:
     return f"{n / 2 ** 10:.1f} KiB"
 
 
-def check_before_loading(cfg: Config) -> None:
+def check_before_loading(cfg: Config, config) -> None:
     """What would otherwise fail after the work: directories that cannot be written (found at the first write, an
-    epoch in), a disk too full for the checkpoints, sequences longer than the target's positions."""
+    epoch in), a disk too full for the checkpoints, sequences longer than the target's positions. `config`: the
+    target's, as `target_config` read it (once a run: reading a GGUF's parses its header); None checks the
+    directories only (the model load then says why it cannot be read)."""
     out = Path(cfg.output_dir)
     check_writable(out, "output_dir")
     if cfg.train.hidden_cache_dir:
         check_writable(Path(cfg.train.hidden_cache_dir), "train.hidden_cache_dir")
-    config = target_config(cfg)
     if config is None:
         return
     check_target_supported(cfg, config)

@@ -27,7 +27,7 @@ from .joint import JointObjective, add_lora
 from .losses import HeadsObjective
 from .metrics import host_peak_bytes, setup_tracking
 from .optim import build_optimizer
-from .preflight import check_before_loading, check_cache_room, checkpoint_reserve, target_text_config
+from .preflight import check_before_loading, check_cache_room, checkpoint_reserve, target_config
 from .processes import (check_joint_distributed, check_output_dir_shared, say_processes, set_aside_fsdp_on_cpus,
                         setup_accelerator, unwrapped)
 from ..target.sharding import describe as describe_sharding
@@ -78,11 +78,12 @@ def setup(cfg: Config) -> Run:
     if int(os.environ.get("RANK", "0")) == 0:
         remove_stale_files(cfg.output_dir)
     ckpt = resume_checkpoint(cfg)
+    config = target_config(cfg)  # read once, before any weight loads; None if unreadable (the model load says why)
     auto_lr = cfg.train.lr == "auto"
-    if auto_lr and (text := target_text_config(cfg)) is not None:  # unreadable: the model load will say why
-        resolve_lr(cfg, text.hidden_size)
+    if auto_lr and config is not None:
+        resolve_lr(cfg, text_config(config).hidden_size)
     allowed = check_resumable(cfg, ckpt) if ckpt is not None else []  # before anything loads
-    check_before_loading(cfg)
+    check_before_loading(cfg, config)
     sharded = take_over_sharding()  # the target sharded by us, the heads under DDP (medusa_train/target/sharding.py)
     if sharded:
         check_shardable(cfg, int(os.environ.get("WORLD_SIZE", "1")), sharded)
@@ -101,7 +102,7 @@ def setup(cfg: Config) -> Run:
     tokenizer = load_tokenizer(cfg.target)
     train_ds, eval_ds, tau_prompts, tokens = setup_data(cfg, accelerator, tokenizer, resumed=ckpt is not None)
     cache_dir = cache_directory(cfg, accelerator.num_processes)
-    if cache_dir is not None and (room := check_cache_room(cfg, cache_dir, tokens, accelerator.device)):
+    if cache_dir is not None and (room := check_cache_room(cfg, cache_dir, tokens, accelerator.device, config)):
         accelerator.print(room)  # before the model loads: a cache that cannot fit is refused now, not an epoch in
     target, sizes = load_target(cfg, accelerator, sharded)  # sharded: each process reads its own share of the files
     if auto_lr:
@@ -175,9 +176,9 @@ def load_target(cfg: Config, accelerator, sharded) -> tuple[torch.nn.Module, dic
 
 
 def setup_data(cfg: Config, accelerator, tokenizer, resumed: bool):
-    """(training rows, held-out rows or None, the real tau's prompts, the training tokens): built once on the main process first (the
-    datasets cache is then reused), reported, and recorded in the run's metrics (once a run); before the model
-    loads, so that a data error is the first thing a user reads."""
+    """(training rows, held-out rows or None, the real tau's prompts, the training tokens): built once on the main
+    process first (the datasets cache is then reused), reported, and recorded in the run's metrics (once a run);
+    before the model loads, so that a data error is the first thing a user reads."""
     with accelerator.main_process_first():  # the datasets cache is written once, then reused
         train_ds, eval_ds, info = build_datasets(cfg, tokenizer)
     if accelerator.is_main_process:  # after the data, so that a data error is the first thing a user reads
