@@ -174,8 +174,9 @@ class TrainConfig:
     """Micro-steps per optimizer step (the effective batch is batch_size * grad_accum)."""
     lr: float | Literal["auto"] = "auto"
     """The heads' peak lr (AdamW's groups; Muon's is train.muon_lr). `auto`: the kind's own for this target
-    (`default_lr` on its class: chained heads 3 / the target's hidden size, the others 1e-3; docs/training.md "The
-    lr"), resolved from the target's config before any weight loads; recipe.yaml records the value."""
+    (`default_lr` on its class: chained and parallel heads 3 / the target's hidden size, the others 1e-3;
+    docs/training.md "The lr"), resolved from the target's config before any weight loads; recipe.yaml records the
+    value."""
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """`adamw`: AdamW on every parameter. `muon`: Muon (momentum 0.95, Newton-Schulz orthogonalized) on the heads'
     hidden weight matrices at train.muon_lr, AdamW on the rest, as speculators trains; one schedule. `auto`: muon for

@@ -185,8 +185,8 @@ def test_activation_checkpointing_is_for_kinds_with_draft_layers(recipe):
 def test_a_kind_trains_at_its_own_lr_and_warm_up_where_the_recipe_is_silent_and_a_checkpoint_records_them(
         recipe, tmp_path):
     """train.lr unset is `auto`, resolved for the target's width (resolve_lr, which the trainer calls with the
-    target's config): chained heads at 3 / hidden size with a 10% warm-up (ChainedHeads, the panel's choice), the
-    other kinds at 1e-3 with none, Muon's lr following; an lr or warm-up the recipe or an override sets is kept
+    target's config): chained and parallel heads at 3 / hidden size with a 10% warm-up (OnTargetHeads, the panel's
+    choice), the other kinds at 1e-3 with none, Muon's lr following; an lr or warm-up the recipe or an override sets is kept
     whatever the kind. recipe.yaml records the values resolved, so a checkpoint of a silent recipe from before the
     default moved (lr 4e-3) is refused on resume, naming train.lr, rather than resumed at another lr."""
     import yaml
@@ -200,14 +200,13 @@ def test_a_kind_trains_at_its_own_lr_and_warm_up_where_the_recipe_is_silent_and_
         return cfg
 
     assert load_config(recipe, world_size=1).train.lr == "auto"
-    for hidden_size, lr in ((384, 3 / 384), (576, 3 / 576), (4096, 3 / 4096)):
-        train = resolved(hidden_size=hidden_size).train
-        assert (train.lr, train.warmup_steps) == (pytest.approx(lr), 0.1)
-    parallel = resolved("heads.kind=parallel").train
-    assert (parallel.lr, parallel.warmup_steps) == (1e-3, 0)
+    for kind in ("chained", "parallel"):
+        for hidden_size, lr in ((384, 3 / 384), (576, 3 / 576), (4096, 3 / 4096)):
+            train = resolved(f"heads.kind={kind}", hidden_size=hidden_size).train
+            assert (train.lr, train.warmup_steps) == (pytest.approx(lr), 0.1)
     eagle3 = resolved("heads.kind=eagle3").train
     assert (eagle3.lr, eagle3.muon_lr, eagle3.warmup_steps) == (1e-3, MUON_LR_SCALE * 1e-3, 0)
-    for kind in ("chained", "eagle3"):
+    for kind in ("chained", "parallel", "eagle3"):
         train = resolved(f"heads.kind={kind}", "train.lr=3e-4", "train.warmup_steps=5").train
         assert (train.lr, train.warmup_steps) == (3e-4, 5)
     pinned = tmp_path / "pinned.yaml"

@@ -177,6 +177,14 @@ class OnTargetHeads(DraftHeads):
 
     chained = True
     served_by_plugin = True
+    train_defaults = {"warmup_steps": 0.1}  # the panel's choice for both kinds (docs/training.md, "The lr")
+
+    @classmethod
+    def default_lr(cls, hidden_size: int) -> float:
+        """3 / the target's width (the panel's choice for chained and parallel heads, docs/training.md "The lr"): a
+        step of Adam moves a block's output by about lr x its fan-in, so the lr that trains alike at every width falls
+        as 1 / width."""
+        return 3.0 / hidden_size
 
     @classmethod
     def check_options(cls, options: OnTargetOptions) -> None:

@@ -110,14 +110,6 @@ class ChainedHeads(OnTargetHeads):
     kind = "chained"
     Options = ChainedOptions
     exports = {"mlp_speculator": Export("vLLM <= 0.32; no current engine", mlp_speculator_files, MLP_SPECULATOR_NEEDS)}
-    train_defaults = {"warmup_steps": 0.1}  # the panel's choice (docs/training.md, "The lr")
-
-    @classmethod
-    def default_lr(cls, hidden_size: int) -> float:
-        """3 / the target's width (the panel's choice, docs/training.md "The lr"): a step of Adam moves a block's
-        output by about lr x its fan-in, so the lr that trains alike at every width falls as 1 / width."""
-        return 3.0 / hidden_size
-
     def __init__(self, spec):
         super().__init__(spec)
         d, K, o = spec.hidden_size, spec.num_heads, spec.options
