@@ -186,8 +186,8 @@ def test_a_kind_trains_at_its_own_lr_and_warm_up_where_the_recipe_is_silent_and_
         recipe, tmp_path):
     """train.lr unset is `auto`, resolved for the target's width (resolve_lr, which the trainer calls with the
     target's config): chained and parallel heads at 3 / hidden size with a 10% warm-up (OnTargetHeads, the panel's
-    choice), the other kinds at 1e-3 with none, Muon's lr following; an lr or warm-up the recipe or an override sets is kept
-    whatever the kind. recipe.yaml records the values resolved, so a checkpoint of a silent recipe from before the
+    choice), the other kinds at 1e-3 with none, Muon's lr following; an lr or warm-up the recipe or an override sets
+    is kept whatever the kind. recipe.yaml records the values resolved, so a checkpoint of a silent recipe from before the
     default moved (lr 4e-3) is refused on resume, naming train.lr, rather than resumed at another lr."""
     import yaml
 

@@ -110,6 +110,7 @@ class ChainedHeads(OnTargetHeads):
     kind = "chained"
     Options = ChainedOptions
     exports = {"mlp_speculator": Export("vLLM <= 0.32; no current engine", mlp_speculator_files, MLP_SPECULATOR_NEEDS)}
+
     def __init__(self, spec):
         super().__init__(spec)
         d, K, o = spec.hidden_size, spec.num_heads, spec.options
